@@ -1,0 +1,246 @@
+"""Frozen configuration objects, compatible with the JSON that vLLM users already pass.
+
+`KVEventsConfig` mirrors `--kv-events-config` and `KVTransferConfig` mirrors
+`--kv-transfer-config`: same field names, same defaults, with one deliberate difference
+(the events endpoint binds loopback by default). Both are built with `from_json` /
+`from_dict`; an unknown key is a `ValueError` that lists the valid ones, and every invalid
+value is a `ValueError` naming the field and the value.
+
+This module imports nothing from the rest of the package.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Self
+
+ENDPOINT_SCHEMES = ("tcp://", "ipc://", "inproc://")
+
+
+def _fail(cls_name: str, field_name: str, value: object, why: str) -> ValueError:
+    return ValueError(f"{cls_name}.{field_name}={value!r}: {why}")
+
+
+def _from_dict(cls: type[Any], data: Mapping[str, Any]) -> Any:
+    if not isinstance(data, Mapping):
+        raise ValueError(f"{cls.__name__} expects a JSON object, got {type(data).__name__}")
+    valid = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(set(data) - set(valid))
+    if unknown:
+        raise ValueError(
+            f"{cls.__name__}: unknown key(s) {', '.join(map(repr, unknown))}; "
+            f"valid keys are: {', '.join(valid)}"
+        )
+    return cls(**data)
+
+
+def _from_json(cls: type[Any], text: str) -> Any:
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{cls.__name__}: not valid JSON ({e}): {text!r}") from e
+    return _from_dict(cls, data)
+
+
+def _check_int(cls_name: str, name: str, value: object, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _fail(cls_name, name, value, "must be an integer")
+    if value < minimum:
+        raise _fail(cls_name, name, value, f"must be >= {minimum}")
+
+
+def check_endpoint(cls_name: str, name: str, value: object) -> None:
+    """Raise `ValueError` unless `value` is a ZMQ endpoint kvconnect can use."""
+    if not isinstance(value, str) or not value.startswith(ENDPOINT_SCHEMES):
+        raise _fail(cls_name, name, value, f"must start with one of {', '.join(ENDPOINT_SCHEMES)}")
+    rest = value.split("://", 1)[1]
+    if not rest:
+        raise _fail(cls_name, name, value, "has no address after the scheme")
+    if value.startswith("tcp://"):
+        host, sep, port = rest.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise _fail(cls_name, name, value, "a tcp endpoint needs host:port with port 1-65535")
+
+
+@dataclass(frozen=True)
+class KVEventsConfig:
+    """KV cache event publishing, with vLLM's `KVEventsConfig` fields and defaults."""
+
+    enable_kv_cache_events: bool = False
+    """Master switch. When False the engine publishes nothing (a null publisher)."""
+
+    publisher: str | None = None
+    """Publisher name: "null", "zmq", or one registered with `EventPublisherFactory`.
+    Unset resolves to "zmq" when events are enabled and "null" otherwise."""
+
+    endpoint: str = "tcp://127.0.0.1:5557"
+    """ZMQ address of the live PUB stream. Unlike vLLM (`tcp://*:5557`) the default binds
+    loopback only; use `tcp://*:PORT` to bind every interface."""
+
+    replay_endpoint: str | None = None
+    """ZMQ address of the ROUTER that serves replays; None disables replay."""
+
+    buffer_steps: int = 10_000
+    """Replay ring size, in batches (one batch per engine step)."""
+
+    hwm: int = 100_000
+    """ZMQ high-water mark of the PUB socket, in messages (0 means unlimited)."""
+
+    max_queue_size: int = 100_000
+    """Capacity of the in-process queue between `publish()` and the sending thread, in
+    batches. A batch that does not fit is not sent live but stays replayable."""
+
+    topic: str = ""
+    """First frame of every live message; subscribers filter on it by prefix."""
+
+    def __post_init__(self) -> None:
+        name = type(self).__name__
+        if not isinstance(self.enable_kv_cache_events, bool):
+            raise _fail(
+                name, "enable_kv_cache_events", self.enable_kv_cache_events, "must be a bool"
+            )
+        if self.publisher is None:
+            resolved = "zmq" if self.enable_kv_cache_events else "null"
+            object.__setattr__(self, "publisher", resolved)
+        elif not isinstance(self.publisher, str) or not self.publisher:
+            raise _fail(name, "publisher", self.publisher, "must be a non-empty publisher name")
+        check_endpoint(name, "endpoint", self.endpoint)
+        if self.replay_endpoint is not None:
+            check_endpoint(name, "replay_endpoint", self.replay_endpoint)
+            if self.replay_endpoint == self.endpoint:
+                raise _fail(
+                    name, "replay_endpoint", self.replay_endpoint, "must differ from endpoint"
+                )
+        _check_int(name, "buffer_steps", self.buffer_steps, 1)
+        _check_int(name, "hwm", self.hwm, 0)
+        _check_int(name, "max_queue_size", self.max_queue_size, 1)
+        if not isinstance(self.topic, str):
+            raise _fail(name, "topic", self.topic, "must be a string")
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Self:
+        """Build from a mapping with vLLM's keys; unknown keys are an error."""
+        result: Self = _from_dict(cls, data)
+        return result
+
+    @classmethod
+    def from_json(cls, text: str) -> Self:
+        """Build from the JSON string given to vLLM's `--kv-events-config`."""
+        result: Self = _from_json(cls, text)
+        return result
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
+
+
+@dataclass(frozen=True)
+class KVTransferConfig:
+    """Which KV connector the engine runs, with vLLM's `--kv-transfer-config` JSON names."""
+
+    kv_connector: str | None = None
+    """Registered connector name (e.g. "OffloadConnector", "MultiConnector"), or a class name
+    found in `kv_connector_module_path`. None runs no connector."""
+
+    engine_id: str | None = None
+    """Identity of this engine instance; a random UUID is filled in when unset, as vLLM does."""
+
+    kv_buffer_device: str | None = "cuda"
+    """Device of the connector's transfer buffer (vLLM's default; "cpu" on CPU-only hosts)."""
+
+    kv_buffer_size: float = 1e9
+    """Transfer buffer size in bytes, for connectors that use one."""
+
+    kv_role: str | None = None
+    """"kv_producer", "kv_consumer" or "kv_both"; required when `kv_connector` is set."""
+
+    kv_rank: int | None = None
+    """Rank of this instance in a disaggregated (P/D) deployment, if any."""
+
+    kv_parallel_size: int = 1
+    """Number of instances taking part in KV transfer."""
+
+    kv_ip: str = "127.0.0.1"
+    """Host of the KV transfer rendezvous, for connectors that use one."""
+
+    kv_port: int = 14579
+    """Port of the KV transfer rendezvous, for connectors that use one."""
+
+    kv_connector_extra_config: dict[str, Any] = field(default_factory=dict)
+    """Connector-specific settings, passed to the connector unchanged."""
+
+    kv_connector_module_path: str | None = None
+    """Python module that holds an out-of-tree connector class named `kv_connector`."""
+
+    kv_load_failure_policy: str = "recompute"
+    """What to do with blocks whose load failed: "recompute" them or "fail" the request."""
+
+    def __post_init__(self) -> None:
+        name = type(self).__name__
+        if self.engine_id is None:
+            object.__setattr__(self, "engine_id", str(uuid.uuid4()))
+        if self.kv_connector is not None and (
+            not isinstance(self.kv_connector, str) or not self.kv_connector
+        ):
+            raise _fail(name, "kv_connector", self.kv_connector, "must be a non-empty name")
+        if self.kv_role is not None and self.kv_role not in KV_ROLES:
+            raise _fail(name, "kv_role", self.kv_role, f"must be one of {', '.join(KV_ROLES)}")
+        if self.kv_connector is not None and self.kv_role is None:
+            raise _fail(name, "kv_role", None, "is required when kv_connector is set")
+        if self.kv_rank is not None:
+            _check_int(name, "kv_rank", self.kv_rank, 0)
+        _check_int(name, "kv_parallel_size", self.kv_parallel_size, 1)
+        _check_int(name, "kv_port", self.kv_port, 1)
+        if isinstance(self.kv_buffer_size, bool) or not isinstance(
+            self.kv_buffer_size, int | float
+        ):
+            raise _fail(name, "kv_buffer_size", self.kv_buffer_size, "must be a number")
+        if self.kv_buffer_size < 0:
+            raise _fail(name, "kv_buffer_size", self.kv_buffer_size, "must be >= 0")
+        if not isinstance(self.kv_connector_extra_config, dict):
+            raise _fail(
+                name,
+                "kv_connector_extra_config",
+                self.kv_connector_extra_config,
+                "must be an object",
+            )
+        if self.kv_load_failure_policy not in ("recompute", "fail"):
+            raise _fail(
+                name,
+                "kv_load_failure_policy",
+                self.kv_load_failure_policy,
+                "must be 'recompute' or 'fail'",
+            )
+
+    @property
+    def is_kv_producer(self) -> bool:
+        return self.kv_connector is not None and self.kv_role in ("kv_producer", "kv_both")
+
+    @property
+    def is_kv_consumer(self) -> bool:
+        return self.kv_connector is not None and self.kv_role in ("kv_consumer", "kv_both")
+
+    def get_from_extra_config(self, key: str, default: Any) -> Any:
+        """A connector setting from `kv_connector_extra_config`, or `default`."""
+        return self.kv_connector_extra_config.get(key, default)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Self:
+        """Build from a mapping with vLLM's keys; unknown keys are an error."""
+        result: Self = _from_dict(cls, data)
+        return result
+
+    @classmethod
+    def from_json(cls, text: str) -> Self:
+        """Build from the JSON string given to vLLM's `--kv-transfer-config`."""
+        result: Self = _from_json(cls, text)
+        return result
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)

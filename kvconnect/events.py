@@ -1,0 +1,255 @@
+"""KV cache events and their wire codec: the one schema kvconnect speaks, which is vLLM's.
+
+Wire form of one batch (msgpack), as vLLM >= 0.26 sends it:
+
+    [ts, [event, ...], data_parallel_rank]            the batch: a positional array
+    {"type": "BlockStored", "block_hashes": [...], ...}   each event: a map, "type" first,
+                                                          fields in declaration order,
+                                                          fields equal to their default omitted
+
+`encode_batch(batch, legacy=True)` writes the older form, where each event is a positional
+array `["BlockStored", block_hashes, parent_block_hash, ...]` with trailing defaults omitted.
+
+`decode_batch` reads what routers meet in the field: either event shape (mixed, even), a batch
+of 2 or 3 elements (or more), unknown keys, int or bytes hashes. Anything it cannot read raises
+`EventDecodeError`, and only that.
+
+Field order matters for the legacy form; never insert a field, only append.
+This module imports nothing from the rest of the package.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+ExternalBlockHash = int | bytes
+
+MEDIUM_GPU = "GPU"
+"""The engine's own paged KV cache."""
+MEDIUM_CPU = "CPU"
+"""Host memory of the instance."""
+MEDIUM_DISK = "DISK"
+"""Local disk of the instance."""
+MEDIUM_EXTERNAL = "EXTERNAL"
+"""A store shared by several instances (e.g. Redis): reachable from each of them."""
+MEDIUMS = (MEDIUM_GPU, MEDIUM_CPU, MEDIUM_DISK, MEDIUM_EXTERNAL)
+
+
+class EventDecodeError(ValueError):
+    """A payload is not a KV event batch kvconnect can read; the message says why."""
+
+
+def _freeze(value: Any) -> Any:
+    """A hashable twin of decoded data: lists become tuples, maps sorted item tuples."""
+    if isinstance(value, list | tuple):
+        return tuple(_freeze(v) for v in value)
+    if isinstance(value, dict):
+        return tuple(sorted((k, _freeze(v)) for k, v in value.items()))
+    return value
+
+
+class KVCacheEvent(msgspec.Struct, tag=True, tag_field="type", omit_defaults=True, gc=False):
+    """Base of the event types. Events compare by value and are hashable, so they can be
+    counted and deduplicated (the quorum across workers relies on it)."""
+
+    def __hash__(self) -> int:
+        return hash((type(self).__name__, _freeze(msgspec.structs.astuple(self))))
+
+
+class BlockStored(KVCacheEvent):
+    """Blocks became available in `medium`: `block_hashes` in chain order, the first one's
+    parent is `parent_block_hash` (None for a prefix start), `token_ids` are the tokens of
+    those blocks, `block_size` tokens each."""
+
+    block_hashes: list[ExternalBlockHash]
+    parent_block_hash: ExternalBlockHash | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    extra_keys: list[tuple[Any, ...] | None] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+
+
+class BlockRemoved(KVCacheEvent):
+    """Blocks are gone from `medium`."""
+
+    block_hashes: list[ExternalBlockHash]
+    medium: str | None
+    group_idx: int | None = None
+
+
+class AllBlocksCleared(KVCacheEvent):
+    """Every block of the instance's cache was dropped (a prefix-cache reset)."""
+
+
+KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """The events of one engine step. `ts` is `time.time()`; the publisher fills
+    `data_parallel_rank` when it is None."""
+
+    ts: float
+    events: list[KVEvent]
+    data_parallel_rank: int | None = None
+
+
+# Legacy twins for decoding: the same fields, read from positional arrays with the tag first.
+class _LegacyBlockStored(BlockStored, tag="BlockStored", array_like=True):
+    pass
+
+
+class _LegacyBlockRemoved(BlockRemoved, tag="BlockRemoved", array_like=True):
+    pass
+
+
+class _LegacyAllBlocksCleared(AllBlocksCleared, tag="AllBlocksCleared", array_like=True):
+    pass
+
+
+_LegacyEvent = _LegacyBlockStored | _LegacyBlockRemoved | _LegacyAllBlocksCleared
+
+
+class _LegacyBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: list[_LegacyEvent]
+    data_parallel_rank: int | None = None
+
+
+_EVENT_TYPES: dict[str, type[KVCacheEvent]] = {
+    "BlockStored": BlockStored,
+    "BlockRemoved": BlockRemoved,
+    "AllBlocksCleared": AllBlocksCleared,
+}
+_FROM_LEGACY: dict[type[KVCacheEvent], type[KVCacheEvent]] = {
+    _LegacyBlockStored: BlockStored,
+    _LegacyBlockRemoved: BlockRemoved,
+    _LegacyAllBlocksCleared: AllBlocksCleared,
+}
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(KVEventBatch)
+_legacy_decoder = msgspec.msgpack.Decoder(_LegacyBatch)
+_any_decoder = msgspec.msgpack.Decoder()
+
+
+class _BatchWithoutRank(msgspec.Struct, array_like=True, gc=False):
+    ts: float
+    events: list[KVEvent]
+
+
+def encode_batch(batch: KVEventBatch, legacy: bool = False) -> bytes:
+    """msgpack bytes of `batch`: map-form events, or positional arrays when `legacy`.
+
+    As in vLLM, a batch whose `data_parallel_rank` is None has two elements, not three.
+    """
+    if legacy:
+        events = [_legacy_event(e) for e in batch.events]
+        head: list[Any] = [batch.ts, events]
+        if batch.data_parallel_rank is not None:
+            head.append(batch.data_parallel_rank)
+        return _encoder.encode(head)
+    if batch.data_parallel_rank is None:
+        return _encoder.encode(_BatchWithoutRank(batch.ts, batch.events))
+    return _encoder.encode(batch)
+
+
+def _legacy_event(event: KVCacheEvent) -> list[Any]:
+    """`[tag, field0, field1, ...]` with trailing fields equal to their defaults dropped."""
+    cls = type(event)
+    values = msgspec.structs.astuple(event)
+    defaults = cls.__struct_defaults__
+    num_required = len(values) - len(defaults)
+    n = len(values)
+    while n > num_required and values[n - 1] == defaults[n - 1 - num_required]:
+        n -= 1
+    return [cls.__name__, *values[:n]]
+
+
+def decode_batch(data: bytes | bytearray | memoryview) -> KVEventBatch:
+    """Read a batch in any form vLLM-compatible producers send; `EventDecodeError` otherwise."""
+    try:
+        return _decoder.decode(data)
+    except msgspec.MsgspecError:
+        pass
+    try:
+        legacy = _legacy_decoder.decode(data)
+    except msgspec.MsgspecError:
+        return _decode_loose(data)
+    events = [_FROM_LEGACY[type(e)](*msgspec.structs.astuple(e)) for e in legacy.events]
+    return KVEventBatch(legacy.ts, events, legacy.data_parallel_rank)  # type: ignore[arg-type]
+
+
+def _decode_loose(data: bytes | bytearray | memoryview) -> KVEventBatch:
+    """The slow path for shapes the typed decoders reject (mixed event forms, a map batch)."""
+    try:
+        raw = _any_decoder.decode(data)
+    except msgspec.MsgspecError as e:
+        raise EventDecodeError(f"not msgpack: {e}") from None
+    try:
+        return _batch_from_raw(raw)
+    except EventDecodeError:
+        raise
+    except (msgspec.MsgspecError, TypeError, ValueError, KeyError, IndexError) as e:
+        raise EventDecodeError(f"bad batch: {e}") from None
+
+
+def _batch_from_raw(raw: Any) -> KVEventBatch:
+    if isinstance(raw, dict):
+        raw = [raw.get("ts"), raw.get("events"), raw.get("data_parallel_rank")]
+    if not isinstance(raw, list) or len(raw) < 2:
+        raise EventDecodeError("a batch must be an array [ts, events, data_parallel_rank]")
+    ts, events, rank = raw[0], raw[1], raw[2] if len(raw) > 2 else None
+    if isinstance(ts, bool) or not isinstance(ts, int | float):
+        raise EventDecodeError(f"batch ts must be a number, got {type(ts).__name__}")
+    if not isinstance(events, list):
+        raise EventDecodeError(f"batch events must be an array, got {type(events).__name__}")
+    if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int)):
+        raise EventDecodeError(f"data_parallel_rank must be an int, got {type(rank).__name__}")
+    return KVEventBatch(float(ts), [_event_from_raw(e) for e in events], rank)
+
+
+def _event_from_raw(raw: Any) -> KVEvent:
+    if isinstance(raw, dict):
+        tag = raw.get("type")
+    elif isinstance(raw, list) and raw:
+        tag = raw[0]
+    else:
+        raise EventDecodeError(f"an event must be a map or an array, got {type(raw).__name__}")
+    cls = _EVENT_TYPES.get(tag) if isinstance(tag, str) else None
+    if cls is None:
+        raise EventDecodeError(f"unknown event type {tag!r}; known: {', '.join(_EVENT_TYPES)}")
+    names = cls.__struct_fields__
+    if isinstance(raw, dict):
+        known = {k: v for k, v in raw.items() if k in names}
+    else:  # positional: extra trailing fields from newer producers are dropped
+        known = dict(zip(names, raw[1:], strict=False))
+    known["type"] = tag
+    # builtin_types: bytes stay bytes; a str is not silently read as base64.
+    event: KVEvent = msgspec.convert(known, cls, builtin_types=(bytes,))  # type: ignore[assignment]
+    return event
+
+
+__all__ = [
+    "MEDIUMS",
+    "MEDIUM_CPU",
+    "MEDIUM_DISK",
+    "MEDIUM_EXTERNAL",
+    "MEDIUM_GPU",
+    "AllBlocksCleared",
+    "BlockRemoved",
+    "BlockStored",
+    "EventDecodeError",
+    "ExternalBlockHash",
+    "KVCacheEvent",
+    "KVEvent",
+    "KVEventBatch",
+    "decode_batch",
+    "encode_batch",
+]

@@ -1,0 +1,331 @@
+"""Event publishers: how the step owner's `KVEventBatch`es leave the process.
+
+Contract:
+- `publish(batch)` is called by the step owner (the scheduler), once per step with that step's
+  events. It never blocks: the ZMQ publisher stamps the rank and the sequence number, encodes,
+  stores the bytes in the replay ring and queues them for the sending thread, then returns.
+  When the queue is full the batch is not sent live (counted in `num_dropped`) but stays
+  replayable, so a subscriber that sees the gap fetches it. Calling it after `shutdown()`
+  raises `RuntimeError`.
+- `shutdown(timeout)` sends what it can within `timeout` seconds, then closes; calling it
+  again does nothing.
+
+Wire (identical to vLLM, see docs/architecture.md):
+    live:    [topic, seq (8 bytes big-endian unsigned), payload]
+    replay:  request  [b"", start_seq (8 bytes)]           from a DEALER (a REQ adds the b"")
+             answer   [b"", topic, seq, payload] ...       every buffered batch >= start_seq
+                      [b"", b"", END_SEQ, b""]              END_SEQ = -1 as 8 signed bytes
+A malformed request gets the terminator alone, so no client waits forever.
+
+Threads: one sends live frames, one serves replays; each owns its socket. The ring is shared
+under a lock held only for an append or a snapshot.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections import deque
+from collections.abc import Callable
+from dataclasses import fields
+from queue import SimpleQueue
+from typing import Any, ClassVar
+
+import zmq
+
+from kvconnect.config import KVEventsConfig
+from kvconnect.events import KVEventBatch, encode_batch
+
+logger = logging.getLogger(__name__)
+
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+_LOOPBACK_HOSTS = ("localhost", "::1")
+_WILDCARD_HOSTS = ("*", "0.0.0.0", "::", "")
+
+
+class EventPublisher(ABC):
+    """Publishes one `KVEventBatch` per engine step, in order, with a monotonic sequence."""
+
+    def __init__(self, data_parallel_rank: int = 0) -> None:
+        self._data_parallel_rank = data_parallel_rank
+
+    @abstractmethod
+    def publish(self, batch: KVEventBatch) -> None:
+        """Hand over one step's batch; never blocks the caller."""
+
+    @abstractmethod
+    def shutdown(self, timeout: float = 1.0) -> None:
+        """Flush within `timeout` seconds, then release sockets and threads; idempotent."""
+
+
+class NullEventPublisher(EventPublisher):
+    """Publishes nothing: what the engine runs when KV cache events are disabled."""
+
+    def publish(self, batch: KVEventBatch) -> None:
+        return None
+
+    def shutdown(self, timeout: float = 1.0) -> None:
+        return None
+
+
+def offset_endpoint(endpoint: str | None, data_parallel_rank: int) -> str | None:
+    """The endpoint of DP rank `data_parallel_rank`: tcp ports move up by the rank, ipc and
+    inproc names get `_dp<rank>` appended (vLLM rejects ipc here; kvconnect does not)."""
+    if not endpoint or data_parallel_rank == 0:
+        return endpoint
+    if endpoint.startswith(("inproc://", "ipc://")):
+        return f"{endpoint}_dp{data_parallel_rank}"
+    if endpoint.startswith("tcp://"):
+        head, _, port = endpoint.rpartition(":")
+        return f"{head}:{int(port) + data_parallel_rank}"
+    raise ValueError(f"invalid endpoint {endpoint!r}: must be tcp://, ipc:// or inproc://")
+
+
+def should_bind(endpoint: str) -> bool:
+    """Whether a publisher binds `endpoint` (else it connects to a collector there).
+
+    As vLLM: wildcard hosts, ipc and inproc bind. Beyond vLLM: loopback hosts bind too, since
+    kvconnect's default endpoint is `tcp://127.0.0.1:5557` and must bind loopback only.
+    """
+    if endpoint.startswith(("ipc://", "inproc://")):
+        return True
+    host = endpoint.split("://", 1)[1].rpartition(":")[0].strip("[]")
+    return host in _WILDCARD_HOSTS or host in _LOOPBACK_HOSTS or host.startswith("127.")
+
+
+class ZmqEventPublisher(EventPublisher):
+    """Publishes batches on a ZMQ PUB socket and serves replays from a ring of recent batches.
+
+    Keywords are vLLM's. `bind` overrides `should_bind(endpoint)`, for the layout where
+    publishers connect to a collector on a loopback address.
+    """
+
+    def __init__(
+        self,
+        data_parallel_rank: int = 0,
+        endpoint: str = "tcp://127.0.0.1:5557",
+        replay_endpoint: str | None = None,
+        buffer_steps: int = 10_000,
+        hwm: int = 100_000,
+        max_queue_size: int = 100_000,
+        topic: str = "",
+        *,
+        bind: bool | None = None,
+        context: zmq.Context[Any] | None = None,
+    ) -> None:
+        super().__init__(data_parallel_rank)
+        # Validate the same way as the config does, so direct construction fails just as clearly.
+        KVEventsConfig(
+            enable_kv_cache_events=True,
+            endpoint=endpoint,
+            replay_endpoint=replay_endpoint,
+            buffer_steps=buffer_steps,
+            hwm=hwm,
+            max_queue_size=max_queue_size,
+            topic=topic,
+        )
+        self.endpoint: str = offset_endpoint(endpoint, data_parallel_rank)  # type: ignore[assignment]
+        self.replay_endpoint = offset_endpoint(replay_endpoint, data_parallel_rank)
+        self.topic = topic
+        self._topic_bytes = topic.encode()
+        self._max_queue_size = max_queue_size
+
+        self._lock = threading.Lock()
+        self._next_seq = 0
+        self._ring: deque[tuple[int, bytes, bytes]] = deque(maxlen=buffer_steps)
+        self._queue: SimpleQueue[tuple[bytes, bytes] | None] = SimpleQueue()
+        self._num_queued = 0  # written under the lock by publish()
+        self._num_dequeued = 0  # written only by the sending thread
+        self._num_dropped = 0
+        self._num_send_errors = 0
+        self._closed = False
+        self._abandon = False
+        self._deadline = 0.0
+        self._stop = threading.Event()
+
+        ctx = context or zmq.Context.instance()
+        self._pub = ctx.socket(zmq.PUB)
+        self._router: zmq.Socket[bytes] | None = None
+        try:
+            self._pub.setsockopt(zmq.SNDHWM, hwm)
+            if should_bind(self.endpoint) if bind is None else bind:
+                self._pub.bind(self.endpoint)
+            else:
+                self._pub.connect(self.endpoint)
+            if self.replay_endpoint is not None:
+                self._router = ctx.socket(zmq.ROUTER)
+                # A full replay is buffer_steps + 1 messages; leave room for a few at once.
+                self._router.setsockopt(zmq.SNDHWM, 4 * (buffer_steps + 1))
+                self._router.bind(self.replay_endpoint)
+        except zmq.ZMQError as e:
+            self._pub.close(linger=0)
+            if self._router is not None:
+                self._router.close(linger=0)
+            raise RuntimeError(
+                f"cannot open KV event sockets (endpoint={self.endpoint!r}, "
+                f"replay_endpoint={self.replay_endpoint!r}): {e}"
+            ) from e
+
+        self._sender = threading.Thread(target=self._send_loop, name="kv-events-pub", daemon=True)
+        self._sender.start()
+        self._replayer: threading.Thread | None = None
+        if self._router is not None:
+            self._replayer = threading.Thread(
+                target=self._replay_loop, name="kv-events-replay", daemon=True
+            )
+            self._replayer.start()
+
+    # -- caller side ----------------------------------------------------------------------
+
+    def publish(self, batch: KVEventBatch) -> None:
+        if self._closed:
+            raise RuntimeError("ZmqEventPublisher.publish() called after shutdown()")
+        if batch.data_parallel_rank is None:
+            batch.data_parallel_rank = self._data_parallel_rank
+        payload = encode_batch(batch)
+        with self._lock:
+            seq = self._next_seq
+            self._next_seq = seq + 1
+            seq_bytes = seq.to_bytes(8, "big")
+            self._ring.append((seq, seq_bytes, payload))
+            if self._num_queued - self._num_dequeued >= self._max_queue_size:
+                self._num_dropped += 1
+                return
+            self._num_queued += 1
+            # Inside the lock so that live order is seq order even with several callers.
+            self._queue.put((seq_bytes, payload))
+
+    @property
+    def num_published(self) -> int:
+        """Batches given sequence numbers so far (the next seq)."""
+        return self._next_seq
+
+    @property
+    def num_dropped(self) -> int:
+        """Batches not sent live because the queue was full (still replayable)."""
+        return self._num_dropped
+
+    @property
+    def num_send_errors(self) -> int:
+        """Live sends that failed (still replayable)."""
+        return self._num_send_errors
+
+    def shutdown(self, timeout: float = 1.0) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._deadline = time.monotonic() + max(0.0, timeout)
+            self._queue.put(None)
+        self._sender.join(timeout)
+        if self._sender.is_alive():
+            left = self._num_queued - self._num_dequeued
+            logger.warning("KV event publisher: shutdown timed out with %d batches unsent", left)
+            self._abandon = True
+            self._sender.join(0.5)
+        self._stop.set()
+        if self._replayer is not None:
+            self._replayer.join(1.0)
+
+    # -- threads ----------------------------------------------------------------------------
+
+    def _send_loop(self) -> None:
+        pub, topic = self._pub, self._topic_bytes
+        try:
+            while True:
+                item = self._queue.get()
+                if item is None or self._abandon:
+                    break
+                self._num_dequeued += 1
+                try:
+                    pub.send_multipart((topic, item[0], item[1]))
+                except zmq.ZMQError as e:
+                    self._num_send_errors += 1
+                    logger.warning(
+                        "KV event publisher: send of seq %d failed: %s",
+                        int.from_bytes(item[0], "big"),
+                        e,
+                    )
+        finally:
+            linger_ms = int(max(0.0, self._deadline - time.monotonic()) * 1000)
+            pub.close(linger=linger_ms)
+
+    def _replay_loop(self) -> None:
+        router = self._router
+        assert router is not None
+        try:
+            while not self._stop.is_set():
+                if router.poll(50):
+                    self._serve_replay(router, router.recv_multipart())
+        finally:
+            router.close(linger=0)
+
+    def _serve_replay(self, router: zmq.Socket[bytes], frames: list[bytes]) -> None:
+        identity = frames[0]
+        if len(frames) != 3 or frames[1] != b"" or len(frames[2]) != 8:
+            logger.warning(
+                "KV event replay: malformed request (%d frames); sent terminator", len(frames)
+            )
+            router.send_multipart((identity, b"", b"", END_SEQ, b""))
+            return
+        start_seq = int.from_bytes(frames[2], "big")
+        with self._lock:
+            ring = self._ring
+            # Seqs in the ring are contiguous, so the start is found by arithmetic.
+            skip = max(0, start_seq - ring[0][0]) if ring else 0
+            entries = list(ring)[skip:] if skip < len(ring) else []
+        topic = self._topic_bytes
+        for _, seq_bytes, payload in entries:
+            router.send_multipart((identity, b"", topic, seq_bytes, payload))
+        router.send_multipart((identity, b"", b"", END_SEQ, b""))
+
+
+PublisherCtor = Callable[..., EventPublisher]
+
+
+class EventPublisherFactory:
+    """Builds the publisher a `KVEventsConfig` names; other publishers can be registered."""
+
+    _registry: ClassVar[dict[str, PublisherCtor]] = {
+        "null": NullEventPublisher,
+        "zmq": ZmqEventPublisher,
+    }
+
+    @classmethod
+    def register_publisher(cls, name: str, ctor: PublisherCtor) -> None:
+        """Make `ctor` available as publisher `name`; a name can be registered once."""
+        if name in cls._registry:
+            raise ValueError(f"event publisher {name!r} is already registered")
+        cls._registry[name] = ctor
+
+    @classmethod
+    def known_publishers(cls) -> list[str]:
+        return sorted(cls._registry)
+
+    @classmethod
+    def create(cls, config: KVEventsConfig | None, data_parallel_rank: int = 0) -> EventPublisher:
+        """The configured publisher; a null one when events are off. `config` is not changed."""
+        if config is None or not config.enable_kv_cache_events or config.publisher == "null":
+            return NullEventPublisher(data_parallel_rank)
+        name = config.publisher
+        assert name is not None  # resolved by KVEventsConfig
+        ctor = cls._registry.get(name)
+        if ctor is None:
+            known = ", ".join(cls.known_publishers())
+            raise ValueError(f"unknown event publisher {name!r}; known: {known}")
+        skip = ("publisher", "enable_kv_cache_events")
+        kwargs = {f.name: getattr(config, f.name) for f in fields(config) if f.name not in skip}
+        return ctor(data_parallel_rank=data_parallel_rank, **kwargs)
+
+
+__all__ = [
+    "END_SEQ",
+    "EventPublisher",
+    "EventPublisherFactory",
+    "NullEventPublisher",
+    "ZmqEventPublisher",
+    "offset_endpoint",
+    "should_bind",
+]
