@@ -99,7 +99,8 @@ class ZmqEventPublisher(EventPublisher):
     """Publishes batches on a ZMQ PUB socket and serves replays from a ring of recent batches.
 
     Keywords are vLLM's. `bind` overrides `should_bind(endpoint)`, for the layout where
-    publishers connect to a collector on a loopback address.
+    publishers connect to a collector on a loopback address. The DP rank offset applies to
+    addresses the publisher binds (its PUB when binding, its replay ROUTER always).
     """
 
     def __init__(
@@ -126,7 +127,12 @@ class ZmqEventPublisher(EventPublisher):
             max_queue_size=max_queue_size,
             topic=topic,
         )
-        self.endpoint: str = offset_endpoint(endpoint, data_parallel_rank)  # type: ignore[assignment]
+        # Bound addresses cannot be shared, so each DP rank binds its own (offset) one; a
+        # collector that publishers connect to is one address for every rank.
+        self._bind = should_bind(endpoint) if bind is None else bind
+        if self._bind:
+            endpoint = offset_endpoint(endpoint, data_parallel_rank) or endpoint
+        self.endpoint = endpoint
         self.replay_endpoint = offset_endpoint(replay_endpoint, data_parallel_rank)
         self.topic = topic
         self._topic_bytes = topic.encode()
@@ -150,7 +156,7 @@ class ZmqEventPublisher(EventPublisher):
         self._router: zmq.Socket[bytes] | None = None
         try:
             self._pub.setsockopt(zmq.SNDHWM, hwm)
-            if should_bind(self.endpoint) if bind is None else bind:
+            if self._bind:
                 self._pub.bind(self.endpoint)
             else:
                 self._pub.connect(self.endpoint)

@@ -17,12 +17,13 @@ endpoint is one publisher. With `bind=True` several publishers may connect to on
 their streams are told apart by topic and `data_parallel_rank`, and `replay_endpoint` may
 then map a rank to its publisher's replay address.
 
-Single-threaded: iterate (or call `recv`) and `close` from one thread.
+Single-threaded: iterate (or call `recv`) from one thread; `close()` may come from any thread.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
@@ -126,6 +127,8 @@ class KVEventSubscriber:
         self._streams: dict[tuple[int, bytes, int | None], _Stream] = {}
         self._pending: deque[SubscriberItem] = deque()
         self._closed = False
+        self._polling = False
+        self._state_lock = threading.Lock()
         self.num_bad_frames = 0
         self.num_decode_errors = 0
         self.num_gaps_repaired = 0
@@ -179,14 +182,20 @@ class KVEventSubscriber:
         """The next item, or None if none arrived within `timeout` seconds (None: wait)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while not self._pending:
-            if self._closed:
-                return None
-            wait_ms = (
-                None if deadline is None else max(0, int((deadline - time.monotonic()) * 1000))
-            )
-            ready = self._poller.poll(wait_ms)
-            for sock, _ in ready:
-                self._on_live(self._subs.index(sock), sock.recv_multipart())
+            with self._state_lock:
+                if self._closed:
+                    self._close_sockets()
+                    return None
+                self._polling = True
+            try:
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                # Wake up now and then so that close() from another thread is noticed.
+                ready = self._poller.poll(100 if left is None else min(100, int(left * 1000)))
+                for sock, _ in ready:
+                    self._on_live(self._subs.index(sock), sock.recv_multipart())
+            finally:
+                with self._state_lock:
+                    self._polling = False
             if not ready and deadline is not None and time.monotonic() >= deadline:
                 return None
         return self._pending.popleft()
@@ -292,8 +301,14 @@ class KVEventSubscriber:
             return out
 
     def close(self) -> None:
-        """Close every socket; iteration ends. Idempotent."""
-        self._closed = True
+        """Close every socket; iteration ends. Idempotent. Safe from another thread: the
+        reading thread then closes the sockets within 0.1 s."""
+        with self._state_lock:
+            self._closed = True
+            if not self._polling:
+                self._close_sockets()
+
+    def _close_sockets(self) -> None:
         for sock in [*self._subs, *self._dealers.values()]:
             sock.close(linger=0)
         self._subs.clear()

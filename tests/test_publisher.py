@@ -1,0 +1,362 @@
+import dataclasses
+import os
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import zmq
+
+from kvconnect.config import KVEventsConfig
+from kvconnect.events import KVEventBatch, decode_batch
+from kvconnect.publisher import (
+    END_SEQ,
+    EventPublisher,
+    EventPublisherFactory,
+    NullEventPublisher,
+    ZmqEventPublisher,
+    offset_endpoint,
+    should_bind,
+)
+from tests.helpers import SETTLE_S, batch_id, make_batch, recv_frames, replay_request, tcp_pair
+
+TERMINATOR = [b"", END_SEQ, b""]
+
+
+@pytest.fixture
+def ctx() -> Iterator[zmq.Context[Any]]:
+    c: zmq.Context[Any] = zmq.Context.instance()
+    yield c
+
+
+def raw_sub(ctx: zmq.Context[Any], endpoint: str, topic: bytes = b"") -> zmq.Socket[bytes]:
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.setsockopt(zmq.SUBSCRIBE, topic)
+    sub.connect(endpoint)
+    time.sleep(SETTLE_S)
+    return sub
+
+
+def seq_of(frames: list[bytes]) -> int:
+    return int.from_bytes(frames[-2], "big")
+
+
+class StalledPublisher(ZmqEventPublisher):
+    """A publisher whose sending thread is held until `release` is set: a stuck live path."""
+
+    release = threading.Event()
+
+    def _send_loop(self) -> None:
+        self.release.wait()
+        super()._send_loop()
+
+
+def test_live_frames_are_exactly_topic_seq_payload(ctx: zmq.Context[Any]) -> None:
+    ep, rp = tcp_pair()
+    pub = ZmqEventPublisher(endpoint=ep, replay_endpoint=rp, topic="kv@10.0.0.1@m")
+    sub = raw_sub(ctx, ep)
+    try:
+        sent = [make_batch(i, num_events=3) for i in range(10)]
+        for b in sent:
+            pub.publish(b)
+        for i in range(10):
+            frames = recv_frames(sub)
+            assert frames is not None
+            assert len(frames) == 3
+            assert frames[0] == b"kv@10.0.0.1@m"
+            assert frames[1] == i.to_bytes(8, "big")
+            batch = decode_batch(frames[2])
+            assert batch == sent[i]
+            assert batch.data_parallel_rank == 0
+            assert abs(batch.ts - time.time()) < 5
+        assert pub.num_published == 10 and pub.num_dropped == 0
+    finally:
+        sub.close()
+        pub.shutdown()
+
+
+def test_replay_from_middle_returns_exactly_the_later_batches(ctx: zmq.Context[Any]) -> None:
+    ep, rp = tcp_pair()
+    pub = ZmqEventPublisher(endpoint=ep, replay_endpoint=rp, topic="test")
+    try:
+        payloads = []
+        for i in range(19):
+            b = make_batch(i)
+            pub.publish(b)
+            payloads.append(b)
+        answers = replay_request(rp, [b"", (10).to_bytes(8, "big")])
+        assert answers[-1] == TERMINATOR
+        data = answers[:-1]
+        assert [seq_of(a) for a in data] == list(range(10, 19))
+        assert all(a[0] == b"test" and len(a) == 3 for a in data)
+        assert [batch_id(decode_batch(a[2])) for a in data] == list(range(10, 19))
+        # Beyond the newest: just the terminator.
+        assert replay_request(rp, [b"", (19).to_bytes(8, "big")]) == [TERMINATOR]
+    finally:
+        pub.shutdown()
+
+
+def test_replay_ring_keeps_the_last_buffer_steps() -> None:
+    ep, rp = tcp_pair()
+    pub = ZmqEventPublisher(endpoint=ep, replay_endpoint=rp, buffer_steps=100)
+    try:
+        for i in range(110):
+            pub.publish(make_batch(i))
+        answers = replay_request(rp, [b"", (0).to_bytes(8, "big")])
+        assert [seq_of(a) for a in answers[:-1]] == list(range(10, 110))
+    finally:
+        pub.shutdown()
+
+
+def test_replay_answers_a_req_client(ctx: zmq.Context[Any]) -> None:
+    ep, rp = tcp_pair()
+    pub = ZmqEventPublisher(endpoint=ep, replay_endpoint=rp, topic="t")
+    req = ctx.socket(zmq.REQ)
+    req.setsockopt(zmq.LINGER, 0)
+    req.connect(rp)
+    try:
+        pub.publish(make_batch(0))
+        req.send((0).to_bytes(8, "big"))
+        frames = recv_frames(req)
+        assert frames is not None and frames[0] == b"t" and seq_of(frames) == 0
+    finally:
+        req.close()
+        pub.shutdown()
+
+
+@pytest.mark.parametrize(
+    "frames",
+    [
+        [b"", b"\x00\x01"],  # seq too short
+        [b"", (0).to_bytes(8, "big"), b"extra"],  # too many frames
+        [(0).to_bytes(8, "big")],  # DEALER without the empty delimiter
+        [b"x", (0).to_bytes(8, "big")],  # delimiter not empty
+    ],
+)
+def test_malformed_replay_requests_get_the_terminator(frames: list[bytes]) -> None:
+    ep, rp = tcp_pair()
+    pub = ZmqEventPublisher(endpoint=ep, replay_endpoint=rp)
+    try:
+        pub.publish(make_batch(0))
+        assert replay_request(rp, frames) == [TERMINATOR]
+        # And the socket still serves good requests afterwards.
+        answers = replay_request(rp, [b"", (0).to_bytes(8, "big")])
+        assert [seq_of(a) for a in answers[:-1]] == [0]
+    finally:
+        pub.shutdown()
+
+
+def test_topic_filtering(ctx: zmq.Context[Any]) -> None:
+    ep, _ = tcp_pair()
+    pub = ZmqEventPublisher(endpoint=ep, topic="foo")
+    foo, bar = raw_sub(ctx, ep, b"foo"), raw_sub(ctx, ep, b"bar")
+    try:
+        for i in range(3):
+            pub.publish(make_batch(i))
+        assert [seq_of(recv_frames(foo) or []) for _ in range(3)] == [0, 1, 2]
+        assert recv_frames(bar, timeout=0.3) is None
+    finally:
+        foo.close()
+        bar.close()
+        pub.shutdown()
+
+
+def test_dp_rank_offsets_tcp_ports(ctx: zmq.Context[Any]) -> None:
+    ep, rp = tcp_pair()
+    base_port = int(ep.rsplit(":", 1)[1])
+    pub1 = ZmqEventPublisher(data_parallel_rank=1, endpoint=ep, replay_endpoint=rp)
+    assert pub1.endpoint == f"tcp://127.0.0.1:{base_port + 1}"
+    assert pub1.replay_endpoint == f"tcp://127.0.0.1:{base_port + 3}"
+    sub = raw_sub(ctx, pub1.endpoint)
+    try:
+        pub1.publish(make_batch(0, num_events=2))
+        frames = recv_frames(sub)
+        assert frames is not None and decode_batch(frames[2]).data_parallel_rank == 1
+        answers = replay_request(pub1.replay_endpoint, [b"", bytes(8)])
+        assert len(answers) == 2
+    finally:
+        sub.close()
+        pub1.shutdown()
+
+
+def test_dp_rank_offsets_ipc_paths(ctx: zmq.Context[Any]) -> None:
+    with tempfile.TemporaryDirectory() as d:
+        ep, rp = f"ipc://{d}/kv", f"ipc://{d}/kv-replay"
+        pub1 = ZmqEventPublisher(data_parallel_rank=1, endpoint=ep, replay_endpoint=rp)
+        assert pub1.endpoint == f"ipc://{d}/kv_dp1"
+        assert os.path.exists(f"{d}/kv_dp1") and os.path.exists(f"{d}/kv-replay_dp1")
+        sub = raw_sub(ctx, pub1.endpoint)
+        try:
+            pub1.publish(make_batch(0))
+            frames = recv_frames(sub)
+            assert frames is not None and decode_batch(frames[2]).data_parallel_rank == 1
+        finally:
+            sub.close()
+            pub1.shutdown()
+
+
+def test_inproc_transport(ctx: zmq.Context[Any]) -> None:
+    pub = ZmqEventPublisher(endpoint="inproc://kv-test", replay_endpoint="inproc://kv-test-r")
+    sub = raw_sub(ctx, "inproc://kv-test")
+    try:
+        pub.publish(make_batch(4))
+        frames = recv_frames(sub)
+        assert frames is not None and batch_id(decode_batch(frames[2])) == 4
+        assert len(replay_request("inproc://kv-test-r", [b"", bytes(8)])) == 2
+    finally:
+        sub.close()
+        pub.shutdown()
+
+
+def test_endpoint_rules() -> None:
+    assert should_bind("tcp://*:5557") and should_bind("tcp://0.0.0.0:1")
+    assert should_bind("tcp://[::]:1") and should_bind("tcp://127.0.0.1:1")
+    assert should_bind("tcp://localhost:1") and should_bind("tcp://[::1]:1")
+    assert should_bind("ipc:///tmp/x") and should_bind("inproc://x")
+    assert not should_bind("tcp://10.1.2.3:5557") and not should_bind("tcp://collector:5557")
+    assert offset_endpoint("tcp://*:5557", 0) == "tcp://*:5557"
+    assert offset_endpoint("tcp://*:5557", 3) == "tcp://*:5560"
+    assert offset_endpoint("tcp://[::1]:5557", 1) == "tcp://[::1]:5558"
+    assert offset_endpoint("ipc:///tmp/kv.sock", 2) == "ipc:///tmp/kv.sock_dp2"
+    assert offset_endpoint("inproc://kv", 1) == "inproc://kv_dp1"
+    assert offset_endpoint(None, 1) is None
+    with pytest.raises(ValueError, match="invalid endpoint"):
+        offset_endpoint("udp://x:1", 1)
+
+
+def test_bad_arguments_and_busy_port_are_clear_errors() -> None:
+    with pytest.raises(ValueError, match="buffer_steps"):
+        ZmqEventPublisher(endpoint="tcp://127.0.0.1:5", buffer_steps=0)
+    ep, _ = tcp_pair()
+    first = ZmqEventPublisher(endpoint=ep)
+    try:
+        with pytest.raises(RuntimeError, match="cannot open KV event sockets"):
+            ZmqEventPublisher(endpoint=ep)
+    finally:
+        first.shutdown()
+
+
+def test_full_queue_drops_live_but_keeps_replayable_and_publish_never_waits(
+    ctx: zmq.Context[Any],
+) -> None:
+    ep, rp = tcp_pair()
+    StalledPublisher.release.clear()
+    pub = StalledPublisher(endpoint=ep, replay_endpoint=rp, max_queue_size=5)
+    sub = raw_sub(ctx, ep)
+    try:
+        for i in range(50):  # the sending thread is stuck: publish() must still return
+            pub.publish(make_batch(i))
+        assert pub.num_published == 50 and pub.num_dropped == 45
+        answers = replay_request(rp, [b"", bytes(8)])
+        assert [seq_of(a) for a in answers[:-1]] == list(range(50))
+        StalledPublisher.release.set()
+        live = [seq_of(f) for f in iter(lambda: recv_frames(sub, 0.5), None)]
+        assert live == [0, 1, 2, 3, 4]
+        pub.publish(make_batch(50))
+        assert seq_of(recv_frames(sub) or []) == 50
+    finally:
+        StalledPublisher.release.set()
+        sub.close()
+        pub.shutdown()
+
+
+def test_shutdown_flushes_is_idempotent_and_publish_after_raises(
+    ctx: zmq.Context[Any],
+) -> None:
+    ep, _ = tcp_pair()
+    pub = ZmqEventPublisher(endpoint=ep)
+    sub = raw_sub(ctx, ep)
+    try:
+        for i in range(2000):
+            pub.publish(make_batch(i, num_events=4))
+        pub.shutdown(timeout=10)
+        got = [seq_of(f) for f in iter(lambda: recv_frames(sub, 1.0), None)]
+        assert got == list(range(2000))
+        pub.shutdown()
+        with pytest.raises(RuntimeError, match="after shutdown"):
+            pub.publish(make_batch(0))
+    finally:
+        sub.close()
+
+
+def test_shutdown_of_a_stuck_sender_returns_within_the_timeout() -> None:
+    ep, _ = tcp_pair()
+    StalledPublisher.release.clear()
+    pub = StalledPublisher(endpoint=ep)
+    pub.publish(make_batch(0))
+    start = time.monotonic()
+    pub.shutdown(timeout=0.2)
+    assert time.monotonic() - start < 2.0
+    StalledPublisher.release.set()
+
+
+def test_rank_already_set_is_kept() -> None:
+    ep, rp = tcp_pair()
+    pub = ZmqEventPublisher(data_parallel_rank=2, endpoint=ep, replay_endpoint=rp)
+    try:
+        b = make_batch(0)
+        b.data_parallel_rank = 5
+        pub.publish(b)
+        answers = replay_request(pub.replay_endpoint or "", [b"", bytes(8)])
+        assert decode_batch(answers[0][2]).data_parallel_rank == 5
+    finally:
+        pub.shutdown()
+
+
+def test_null_publisher() -> None:
+    pub = NullEventPublisher()
+    pub.publish(KVEventBatch(0.0, []))
+    pub.shutdown()
+    pub.shutdown()
+
+
+def test_factory_builds_null_when_disabled() -> None:
+    assert isinstance(EventPublisherFactory.create(None), NullEventPublisher)
+    cfg = KVEventsConfig(enable_kv_cache_events=False, publisher="zmq")
+    assert isinstance(EventPublisherFactory.create(cfg), NullEventPublisher)
+    cfg = KVEventsConfig(enable_kv_cache_events=True, publisher="null")
+    assert isinstance(EventPublisherFactory.create(cfg), NullEventPublisher)
+
+
+def test_factory_builds_zmq_with_rank_offsets_and_leaves_config_alone() -> None:
+    ep, rp = tcp_pair()
+    cfg = KVEventsConfig(enable_kv_cache_events=True, endpoint=ep, replay_endpoint=rp, topic="x")
+    before = dataclasses.asdict(cfg)
+    pub = EventPublisherFactory.create(cfg, data_parallel_rank=1)
+    try:
+        assert isinstance(pub, ZmqEventPublisher)
+        assert pub.endpoint == offset_endpoint(ep, 1) and pub.replay_endpoint == offset_endpoint(
+            rp, 1
+        )
+        assert pub.topic == "x"
+        assert dataclasses.asdict(cfg) == before
+    finally:
+        pub.shutdown()
+
+
+def test_factory_registry() -> None:
+    class Recording(EventPublisher):
+        def __init__(self, data_parallel_rank: int = 0, **kwargs: Any) -> None:
+            super().__init__(data_parallel_rank)
+            self.kwargs = kwargs
+
+        def publish(self, batch: KVEventBatch) -> None:
+            pass
+
+        def shutdown(self, timeout: float = 1.0) -> None:
+            pass
+
+    name = f"recording-{os.getpid()}-{time.monotonic_ns()}"
+    EventPublisherFactory.register_publisher(name, Recording)
+    with pytest.raises(ValueError, match="already registered"):
+        EventPublisherFactory.register_publisher(name, Recording)
+    pub = EventPublisherFactory.create(
+        KVEventsConfig(enable_kv_cache_events=True, publisher=name, topic="t"), 3
+    )
+    assert isinstance(pub, Recording) and pub._data_parallel_rank == 3
+    assert pub.kwargs["topic"] == "t" and "publisher" not in pub.kwargs
+    with pytest.raises(ValueError, match=r"unknown event publisher 'nope'; known: .*null.*zmq"):
+        EventPublisherFactory.create(KVEventsConfig(enable_kv_cache_events=True, publisher="nope"))
