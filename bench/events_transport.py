@@ -1,0 +1,148 @@
+"""End-to-end KV event transport rate beside a bare PUB/SUB loop (the limit).
+
+Prints one line: events/s from `publish()` to decoded batches in a subscriber process at 1, 10
+and 100 BlockStored events per batch; the p50/p99 cost of one `publish()` call in the caller;
+and, in the same run, the rate of a bare pyzmq PUB -> SUB process loop that sends the same
+encoded payloads as 3-frame messages without kvconnect (no queue, thread, ring or decode), and
+of that loop with a plain typed msgspec decode added (the limit once decoding is paid for).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import socket
+import statistics
+import time
+from typing import Any
+
+import msgspec
+import zmq
+
+from kvconnect.events import BlockStored, KVEventBatch, encode_batch
+from kvconnect.publisher import ZmqEventPublisher
+from kvconnect.subscriber import KVEventSubscriber, ReceivedBatch
+
+SIZES = {1: 20_000, 10: 20_000, 100: 4_000}  # events per batch -> batches sent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def make_batch(num_events: int) -> KVEventBatch:
+    events: list[Any] = [
+        BlockStored([i], None, list(range(16)), 16, None, "GPU", None) for i in range(num_events)
+    ]
+    return KVEventBatch(time.time(), events)
+
+
+def consume_kvconnect(endpoint: str, replay: str, num_batches: int, out: Any) -> None:
+    sub = KVEventSubscriber(endpoint, replay, start_seq=0)
+    sub.recv(timeout=0.2)
+    out.put("ready")
+    got = 0
+    while got < num_batches:
+        item = sub.recv(timeout=30)
+        if item is None:
+            break
+        if isinstance(item, ReceivedBatch):
+            got += 1
+    out.put((time.time(), got, sub.num_batches_lost))
+    sub.close()
+
+
+def consume_bare(endpoint: str, num_msgs: int, decode: bool, out: Any) -> None:
+    decoder = msgspec.msgpack.Decoder(KVEventBatch)
+    ctx: zmq.Context[Any] = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.RCVHWM, 0)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(endpoint)
+    out.put("ready")
+    got = 0
+    while got < num_msgs:
+        if not sub.poll(30_000):
+            break
+        frames = sub.recv_multipart()
+        if decode:
+            decoder.decode(frames[2])
+        got += 1
+    out.put((time.time(), got, 0))
+    sub.close(linger=0)
+
+
+def run_kvconnect(size: int, num_batches: int) -> tuple[float, list[int]]:
+    port = free_port()
+    ep, rp = f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{free_port()}"
+    pub = ZmqEventPublisher(endpoint=ep, replay_endpoint=rp, buffer_steps=num_batches)
+    out: Any = mp.get_context("spawn").Queue()
+    proc = mp.get_context("spawn").Process(
+        target=consume_kvconnect, args=(ep, rp, num_batches, out)
+    )
+    proc.start()
+    assert out.get(timeout=30) == "ready"
+    time.sleep(0.3)
+    batch = make_batch(size)
+    costs = []
+    t0 = time.time()
+    for _ in range(num_batches):
+        start = time.perf_counter_ns()
+        pub.publish(batch)
+        costs.append(time.perf_counter_ns() - start)
+    t_end, got, lost = out.get(timeout=120)
+    proc.join()
+    pub.shutdown()
+    assert got == num_batches and lost == 0, f"received {got}/{num_batches}, lost {lost}"
+    return num_batches * size / (t_end - t0), costs
+
+
+def run_bare(size: int, num_batches: int, decode: bool) -> float:
+    ctx: zmq.Context[Any] = zmq.Context()
+    pub = ctx.socket(zmq.PUB)
+    pub.setsockopt(zmq.SNDHWM, 0)
+    port = pub.bind_to_random_port("tcp://127.0.0.1")
+    out: Any = mp.get_context("spawn").Queue()
+    ep = f"tcp://127.0.0.1:{port}"
+    proc = mp.get_context("spawn").Process(target=consume_bare, args=(ep, num_batches, decode, out))
+    proc.start()
+    assert out.get(timeout=30) == "ready"
+    time.sleep(0.5)
+    payload = encode_batch(make_batch(size))
+    t0 = time.time()
+    for seq in range(num_batches):
+        pub.send_multipart((b"", seq.to_bytes(8, "big"), payload))
+    t_end, got, _ = out.get(timeout=120)
+    proc.join()
+    pub.close(linger=0)
+    ctx.term()
+    assert got == num_batches
+    return num_batches * size / (t_end - t0)
+
+
+def main() -> None:
+    ours, bare, bare_dec, ratios, ratios_dec = [], [], [], [], []
+    all_costs: list[int] = []
+    for size, n in SIZES.items():
+        rate, costs = run_kvconnect(size, n)
+        limit = run_bare(size, n, decode=False)
+        ours.append(f"{rate / 1e3:.0f}k")
+        bare.append(f"{limit / 1e3:.0f}k")
+        limit_dec = run_bare(size, n, decode=True)
+        bare_dec.append(f"{limit_dec / 1e3:.0f}k")
+        ratios_dec.append(f"{rate / limit_dec:.2f}")
+        ratios.append(f"{rate / limit:.2f}")
+        if size == 10:
+            all_costs = costs
+    q = statistics.quantiles(all_costs, n=100)
+    print(
+        "events_transport (ev/s publish()->decoded in a subscriber process, 1/10/100 ev/batch): "
+        f"{'/'.join(ours)} vs bare PUB/SUB {'/'.join(bare)} (ratio {'/'.join(ratios)}), "
+        f"bare PUB/SUB+decode {'/'.join(bare_dec)} (ratio {'/'.join(ratios_dec)}); "
+        f"publish() cost at 10 ev/batch p50 {q[49] / 1e3:.1f}us p99 {q[98] / 1e3:.1f}us"
+    )
+
+
+if __name__ == "__main__":
+    main()
