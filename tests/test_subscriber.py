@@ -437,3 +437,28 @@ def test_close_ends_iteration() -> None:
     threading.Timer(0.2, sub.close).start()
     assert list(sub) == []
     assert os.environ is not None
+
+
+def test_stalled_subscriber_gets_every_batch_once_through_replay_after_resuming() -> None:
+    ep, rp = tcp_pair()
+    total = 3000
+    pub = ZmqEventPublisher(endpoint=ep, replay_endpoint=rp, hwm=10, buffer_steps=total + 10)
+    sub = KVEventSubscriber(ep, rp, hwm=10)
+    time.sleep(SETTLE_S)
+    try:
+        for i in range(total):  # nobody reads: ZMQ drops live messages past the HWMs
+            pub.publish(make_batch(i, num_events=4))
+        # The stalled reader never held up publish(): nothing was dropped from its queue.
+        assert pub.num_published == total and pub.num_dropped == 0
+        items = drain(sub)  # the subscriber resumes: it reads what ZMQ kept
+        pub.publish(make_batch(total))  # a live batch after the stall reveals the gap
+        items += drain(sub)
+        assert seqs(items) == list(range(total + 1))
+        assert [batch_id(i.batch) for i in items if isinstance(i, ReceivedBatch)] == list(
+            range(total + 1)
+        )
+        assert sub.num_gaps_repaired >= 1 and sub.num_batches_replayed > 0
+        assert not [i for i in items if isinstance(i, EventsLost)]
+    finally:
+        sub.close()
+        pub.shutdown()
