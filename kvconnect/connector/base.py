@@ -1,0 +1,315 @@
+"""The KV connector interface: roles, the two per-step metadata channels, the worker output.
+
+A connector class is instantiated once per role and process: one SCHEDULER-role instance in
+the scheduler, one WORKER-role instance in each tensor-parallel worker. Method names and
+contracts are vLLM's (KVConnectorBase_V1), so a connector author who knows vLLM feels at home.
+
+One engine step, in this order (callers in brackets):
+
+  [scheduler] for each waiting request:
+      get_num_new_matched_tokens(request, num_computed_tokens) -> (num_tokens | None, is_async)
+      ... blocks allocated ...
+      update_state_after_alloc(request, block_ids, num_external_tokens)
+  [scheduler] build_connector_meta(scheduler_output) -> KVConnectorMetadata     (sent to workers)
+  [worker]    bind_connector_metadata(meta); start_load_kv(ctx)
+              per layer: wait_for_layer_load(name) ... save_kv_layer(name, kv, attn_metadata)
+              wait_for_save(); get_finished(finished_req_ids); get_block_ids_with_load_errors()
+              get_kv_connector_stats(); build_connector_worker_meta(); clear_connector_metadata()
+  [executor]  KVOutputAggregator folds the workers' KVConnectorOutputs into one
+  [scheduler] update_connector_output(output); finished transfers; request_finished(req, ids)
+  [scheduler] take_events()   after the block pool's events; both go out as one KVEventBatch
+
+Worker -> scheduler data travels only in `KVConnectorOutput`. Its slot for a connector's own
+state is `kv_connector_worker_meta` (a `KVConnectorWorkerMetadata`, folded across ranks with
+`aggregate`); KV cache events of worker-side connectors ride in it too (see `events.py`), so
+there is no events field. Scheduler-side and worker-side code share only these message types.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, Protocol
+
+from kvconnect.config import KVTransferConfig
+from kvconnect.events import KVCacheEvent
+
+logger = logging.getLogger(__name__)
+
+
+class KVConnectorRole(enum.Enum):
+    """Where a connector instance lives."""
+
+    SCHEDULER = 0
+    WORKER = 1
+
+
+class KVConnectorMetadata:
+    """Scheduler -> worker, one per step, built by `build_connector_meta`. "None" is no data."""
+
+
+class KVConnectorWorkerMetadata(ABC):
+    """Worker -> scheduler, one per worker per step, built by `build_connector_worker_meta`.
+
+    The executor folds all workers' non-None objects of a step with `aggregate`, left to right
+    in rank order, before the scheduler-side connector sees the result. Make `aggregate`
+    associative and independent of order; carry rank identity inside when counts matter,
+    since nothing in the fold says how many workers contributed. Returning a new object and
+    mutating `self` are both allowed. Must be picklable (it crosses process boundaries).
+    """
+
+    @abstractmethod
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        """The fold of `self` and `other` (another worker's metadata of the same step)."""
+
+
+@dataclass
+class KVConnectorStats:
+    """Telemetry for the interval since the last report. The default merge adds numbers and
+    concatenates lists key by key; connectors with other needs subclass it."""
+
+    data: dict[str, Any] = field(default_factory=dict)
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        for key, value in other.data.items():
+            mine = self.data.get(key)
+            if mine is None:
+                self.data[key] = list(value) if isinstance(value, list) else value
+            elif isinstance(mine, list):
+                mine.extend(value)
+            else:
+                self.data[key] = mine + value
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        """Flat numbers for metrics: lists become their length."""
+        return {k: len(v) if isinstance(v, list) else v for k, v in self.data.items()}
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def is_empty(self) -> bool:
+        return not self.data
+
+
+@dataclass
+class KVConnectorOutput:
+    """What one worker (or, after aggregation, all workers) report for one step."""
+
+    finished_sending: set[str] | None = None
+    """Requests whose async save/send finished (after aggregation: on every worker)."""
+    finished_recving: set[str] | None = None
+    """Requests whose async load/receive finished (after aggregation: on every worker)."""
+    kv_connector_stats: KVConnectorStats | None = None
+    kv_connector_worker_meta: KVConnectorWorkerMetadata | None = None
+    """The connector's own worker -> scheduler data, events included."""
+    invalid_block_ids: set[int] = field(default_factory=set)
+    """Blocks whose external load failed; the scheduler recomputes them."""
+    expected_finished_count: int = 0
+    """0: no change. >0: how many worker reports a newly tracked request id needs."""
+
+    def is_empty(self) -> bool:
+        """True only when no field carries news (`expected_finished_count` is not news)."""
+        return not (
+            self.finished_sending
+            or self.finished_recving
+            or (self.kv_connector_stats is not None and not self.kv_connector_stats.is_empty())
+            or self.kv_connector_worker_meta is not None
+            or self.invalid_block_ids
+        )
+
+
+class ConnectorRequest(Protocol):
+    """What scheduler-side connector methods read from a request."""
+
+    @property
+    def request_id(self) -> str: ...
+    @property
+    def all_token_ids(self) -> Sequence[int]: ...
+    @property
+    def block_hashes(self) -> Sequence[bytes]: ...
+    @property
+    def kv_transfer_params(self) -> dict[str, Any] | None: ...
+
+
+class NewRequestData(Protocol):
+    """A request scheduled for the first time (or again after preemption), as connectors see it."""
+
+    @property
+    def request_id(self) -> str: ...
+    @property
+    def all_token_ids(self) -> Sequence[int]: ...
+    @property
+    def block_hashes(self) -> Sequence[bytes]: ...
+    @property
+    def block_ids(self) -> Sequence[int]: ...
+    @property
+    def num_computed_tokens(self) -> int: ...
+
+
+class SchedulerOutput(Protocol):
+    """What `build_connector_meta` may read from the scheduler's output of a step."""
+
+    @property
+    def scheduled_new_reqs(self) -> Sequence[NewRequestData]: ...
+    @property
+    def num_scheduled_tokens(self) -> Mapping[str, int]: ...
+    @property
+    def finished_req_ids(self) -> set[str]: ...
+
+
+@dataclass(frozen=True)
+class KVConnectorContext:
+    """What the engine tells a connector about itself when it builds one."""
+
+    kv_transfer_config: KVTransferConfig
+    """This connector's transfer config (for a MultiConnector child: the child's own)."""
+    world_size: int = 1
+    """Number of tensor-parallel workers, each running a WORKER-role instance."""
+    rank: int = 0
+    """This worker's tensor-parallel rank (0 for the scheduler-role instance)."""
+    block_size: int = 16
+    """Tokens per KV cache block."""
+    model_name: str = ""
+    """Model identity, part of any storage key shared across instances."""
+    hash_algorithm: str = "sha256_cbor"
+    """Block hash algorithm (see `kvconnect.hashing`)."""
+    hash_seed: str | None = None
+    """Block hash seed string; None is `kvconnect.hashing.DEFAULT_SEED`."""
+    data_parallel_rank: int = 0
+    """Which data-parallel engine this is."""
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1:
+            raise ValueError(f"KVConnectorContext.world_size={self.world_size!r}: must be >= 1")
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(
+                f"KVConnectorContext.rank={self.rank!r}: must be in [0, {self.world_size})"
+            )
+        if self.block_size < 1:
+            raise ValueError(f"KVConnectorContext.block_size={self.block_size!r}: must be >= 1")
+
+    def for_child(self, kv_transfer_config: KVTransferConfig) -> KVConnectorContext:
+        return replace(self, kv_transfer_config=kv_transfer_config)
+
+
+class KVConnectorBase(ABC):
+    """Base of every KV connector. Abstract methods are the ones every connector must have;
+    every other hook has a no-op default."""
+
+    def __init__(self, context: KVConnectorContext, role: KVConnectorRole) -> None:
+        self._context = context
+        self._kv_transfer_config = context.kv_transfer_config
+        self._role = role
+        self._connector_metadata: KVConnectorMetadata | None = None
+
+    @property
+    def role(self) -> KVConnectorRole:
+        return self._role
+
+    # -- worker side --------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: Mapping[str, Any]) -> None:
+        """Called once with each layer's paged KV cache tensor (this worker's shard)."""
+        return None
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        """Store this step's metadata; called before the forward pass."""
+        self._connector_metadata = connector_metadata
+
+    def clear_connector_metadata(self) -> None:
+        """Forget this step's metadata; always the last connector call of a worker step."""
+        self._connector_metadata = None
+
+    def has_connector_metadata(self) -> bool:
+        return self._connector_metadata is not None
+
+    def _get_connector_metadata(self) -> KVConnectorMetadata:
+        if self._connector_metadata is None:
+            raise RuntimeError(f"{type(self).__name__}: no connector metadata is bound")
+        return self._connector_metadata
+
+    @abstractmethod
+    def start_load_kv(self, forward_context: Any = None, **kwargs: Any) -> None:
+        """Start loading the KV the bound metadata asks for (possibly asynchronously)."""
+
+    @abstractmethod
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Block until `layer_name`'s KV is loaded (called inside the layer)."""
+
+    @abstractmethod
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: Any, attn_metadata: Any = None, **kwargs: Any
+    ) -> None:
+        """Start saving `layer_name`'s KV (called inside the layer, after attention)."""
+
+    @abstractmethod
+    def wait_for_save(self) -> None:
+        """Block until saves no longer need the paged buffer (it may be overwritten next)."""
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """(ids whose async save finished, ids whose async load finished) on this worker.
+        A saving id must be one the scheduler handed over as finished, now or earlier."""
+        return None, None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """Blocks whose load failed; their request must still be reported as finished."""
+        return set()
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        return None
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        """This step's worker -> scheduler metadata; drains it (the next call reports only
+        newer news). None: nothing to say."""
+        return None
+
+    def shutdown(self) -> None:
+        """Finish or cancel outstanding work and release resources."""
+        return None
+
+    # -- scheduler side -------------------------------------------------------------------------
+
+    @abstractmethod
+    def get_num_new_matched_tokens(
+        self, request: ConnectorRequest, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        """(tokens beyond `num_computed_tokens` loadable now, whether the load is async).
+        None: ask again later. May be called repeatedly for one request: no side effects."""
+
+    @abstractmethod
+    def update_state_after_alloc(
+        self, request: ConnectorRequest, block_ids: list[int], num_external_tokens: int
+    ) -> None:
+        """Blocks were allocated for `request`; load `num_external_tokens` into them if > 0."""
+
+    @abstractmethod
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        """This step's metadata for the workers; resets the per-step state. Must not change
+        `scheduler_output`."""
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        """The workers' aggregated output of the step. Do not keep references into it."""
+        return None
+
+    def request_finished(
+        self, request: ConnectorRequest, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """Called once per finished request, before its blocks are freed. (True, params):
+        the connector frees them later, when the id comes back in `finished_sending`."""
+        return False, None
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        """KV cache events gathered since the last call (drained)."""
+        return ()
+
+    def get_finished_count(self) -> int | None:
+        """How many workers report each finished id; None means every worker."""
+        return None
+
+    def reset_cache(self) -> bool | None:
+        """Drop what the connector caches; False if it could not."""
+        return None
