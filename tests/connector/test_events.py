@@ -155,3 +155,17 @@ def test_every_event_released_once_whatever_the_per_rank_delays(
         e.block_hashes[0] for e in events
     )
     assert q.num_pending == 0 and q.num_expired == 0
+
+
+def test_silent_rank_means_no_quorum_not_a_smaller_one() -> None:
+    # Upstream counts only the workers that reported; here the world size is the quorum.
+    q = EventQuorum(world_size=4, max_pending_steps=2)
+    assert step(q, r0=[A], r1=[A], r2=[A]) == []
+    assert step(q) == []
+    assert q.num_expired == 1 and q.num_pending == 0
+
+
+def test_disjoint_reports_release_nothing() -> None:
+    q = EventQuorum(world_size=3)
+    assert step(q, r0=[A], r1=[B], r2=[C]) == []
+    assert q.num_pending == 3
