@@ -161,7 +161,8 @@ def test_silent_rank_means_no_quorum_not_a_smaller_one() -> None:
     # Upstream counts only the workers that reported; here the world size is the quorum.
     q = EventQuorum(world_size=4, max_pending_steps=2)
     assert step(q, r0=[A], r1=[A], r2=[A]) == []
-    assert step(q) == []
+    assert step(q) == [] and q.num_pending == 1
+    assert step(q) == []  # two steps after the report: expired
     assert q.num_expired == 1 and q.num_pending == 0
 
 
