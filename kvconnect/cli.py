@@ -2,6 +2,8 @@
 
     kvconnect events tail --endpoint E [--replay R] [--topic T] [--from-seq N] [--bind] [--json]
     kvconnect events demo [--port P] [--batches N]
+    kvconnect generate --model tiny --tp 2 --prompt TEXT [--kv-events-config JSON]
+                       [--kv-transfer-config JSON] [--max-tokens N] [--temperature T]
 
 `tail` prints every batch of a KV event stream (vLLM's or kvconnect's) as it arrives, with
 gap repair through replay. `demo` runs a real publisher on loopback fed with the block events
@@ -211,13 +213,26 @@ def build_parser() -> argparse.ArgumentParser:
     d = actions.add_parser("demo", help="run a publisher fed with demo events and tail it")
     d.add_argument("--port", type=int, default=5557, help="PUB port; replay uses PORT+1")
     d.add_argument("--batches", type=int, default=12)
+
+    g = commands.add_parser("generate", help="run the engine on prompts")
+    g.add_argument("--model", default="tiny", help='"tiny" or a Hugging Face checkpoint dir')
+    g.add_argument("--tp", "--tensor-parallel-size", type=int, default=1, dest="tp")
+    g.add_argument("--prompt", action="append", required=True, help="repeat for a batch")
+    g.add_argument("--max-tokens", type=int, default=16)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument("--repeat", type=int, default=1, help="run the batch this many times")
+    g.add_argument("--kv-events-config", default=None, help="vLLM's KVEventsConfig JSON")
+    g.add_argument("--kv-transfer-config", default=None, help="vLLM's KVTransferConfig JSON")
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
-    if args.action == "tail":
+    if args.command == "events" and args.action == "tail":
         replay: Any = args.replay
         if replay is not None and len(replay) == 1 and len(args.endpoint) == 1:
             replay = replay[0]
@@ -230,6 +245,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         tail(subscriber, sys.stdout, args.json)
         return 0
+    if args.command == "generate":
+        from kvconnect.generate import run_generate  # imports torch: only when asked for
+
+        return run_generate(args, sys.stdout)
     run_demo(args.port, args.batches, sys.stdout)
     return 0
 

@@ -1,0 +1,1 @@
+"""The engine: block pool, KV cache manager, scheduler, TP workers, executor and `LLM`."""

@@ -1,0 +1,153 @@
+"""Runs `tensor_parallel_size` worker processes and folds their outputs each step.
+
+Workers are spawned processes joined by torch.distributed (gloo on CPU); the executor talks to
+each over a pipe on this machine. A worker that dies, fails or does not answer within
+`step_timeout` becomes an `EngineDeadError`, and `shutdown` ends every worker within a bounded
+time (ask, wait, terminate, kill).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing as mp
+import socket
+import time
+from dataclasses import replace
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+from kvconnect.connector.aggregator import KVOutputAggregator
+from kvconnect.connector.base import KVConnectorOutput
+from kvconnect.engine.scheduler import SchedulerOutput
+from kvconnect.engine.worker import WorkerConfig, WorkerOutput, worker_main
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """A worker process died, failed or hung; the engine cannot go on."""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Executor:
+    def __init__(
+        self,
+        config: WorkerConfig,
+        expected_finished_count: int | None = None,
+        start_timeout: float = 180.0,
+        step_timeout: float = 60.0,
+    ) -> None:
+        tp = config.tensor_parallel_size
+        if tp < 1:
+            raise ValueError(f"tensor_parallel_size={tp!r}: must be >= 1")
+        self.config = config
+        self.step_timeout = step_timeout
+        self.aggregator = KVOutputAggregator(expected_finished_count or tp)
+        self._has_connector = config.kv_transfer_config is not None and bool(
+            config.kv_transfer_config.kv_connector
+        )
+        ctx = mp.get_context("spawn")
+        cfg = replace(config, dist_port=_free_port())
+        self._procs: list[BaseProcess] = []
+        self._conns: list[Connection] = []
+        self._dead = False
+        for rank in range(tp):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(
+                target=worker_main,
+                args=(cfg, rank, child),
+                daemon=True,
+                name=f"kvconnect-worker-{rank}",
+            )
+            proc.start()
+            child.close()
+            self._procs.append(proc)
+            self._conns.append(parent)
+        try:
+            for rank in range(tp):
+                self._recv(rank, start_timeout)
+        except EngineDeadError:
+            self.shutdown()
+            raise
+
+    @property
+    def worker_pids(self) -> list[int | None]:
+        return [p.pid for p in self._procs]
+
+    def _recv(self, rank: int, timeout: float) -> Any:
+        conn, proc = self._conns[rank], self._procs[rank]
+        deadline = time.monotonic() + timeout
+        while not conn.poll(0.05):
+            if not proc.is_alive():
+                self._dead = True
+                raise EngineDeadError(f"worker {rank} died (exit code {proc.exitcode})")
+            if time.monotonic() > deadline:
+                self._dead = True
+                raise EngineDeadError(f"worker {rank} did not answer within {timeout:.0f}s")
+        try:
+            kind, payload = conn.recv()
+        except (EOFError, OSError) as e:
+            self._dead = True
+            raise EngineDeadError(f"worker {rank} went away: {e!r}") from e
+        if kind == "error":
+            self._dead = True
+            last = payload.strip().splitlines()[-1]
+            raise EngineDeadError(f"{self._dead_workers()}worker {rank} failed: {last}\n{payload}")
+        return payload
+
+    def _dead_workers(self) -> str:
+        """Which workers have died, as the root cause to put first in an error."""
+        time.sleep(0.1)  # a peer's failure is often noticed before its exit is reaped
+        dead = [
+            f"worker {r} died (exit code {p.exitcode}); "
+            for r, p in enumerate(self._procs)
+            if not p.is_alive()
+        ]
+        return "".join(dead)
+
+    def execute_model(
+        self, out: SchedulerOutput
+    ) -> tuple[dict[str, int], KVConnectorOutput | None]:
+        """Run one step on every worker: (sampled tokens, the workers' folded connector output)."""
+        if self._dead:
+            raise EngineDeadError("the engine's workers are gone")
+        for rank, conn in enumerate(self._conns):
+            try:
+                conn.send(out)
+            except (BrokenPipeError, OSError) as e:
+                self._dead = True
+                raise EngineDeadError(f"worker {rank} went away: {e!r}") from e
+        results: list[WorkerOutput] = [
+            self._recv(rank, self.step_timeout) for rank in range(len(self._conns))
+        ]
+        kv_output = None
+        if self._has_connector:
+            kv_output = self.aggregator.aggregate([r.kv_connector_output for r in results])
+        return results[0].sampled, kv_output
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        """Stop every worker: ask, wait up to `timeout`, then terminate, then kill."""
+        for conn in self._conns:
+            with contextlib.suppress(OSError):
+                conn.send(None)
+        deadline = time.monotonic() + timeout
+        for proc in self._procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+        for proc in self._procs:
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(1.0)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(1.0)
+        for conn in self._conns:
+            conn.close()
+        self._conns, self._procs = [], []
+        self._dead = True

@@ -1,0 +1,256 @@
+"""`LLM`: the engine behind one call, as vLLM's offline API.
+
+    llm = LLM(model="tiny", tensor_parallel_size=2,
+              kv_events_config='{"enable_kv_cache_events": true}')
+    outs = llm.generate(["Hello"], SamplingParams(max_tokens=8))
+    llm.shutdown()
+
+The scheduler (block pool, scheduler-role connector, event publisher) lives in this process;
+the model runs in `tensor_parallel_size` worker processes.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any, TypeVar
+
+from kvconnect.config import KVEventsConfig, KVTransferConfig
+from kvconnect.connector.base import KVConnectorBase, KVConnectorRole
+from kvconnect.connector.registry import KVConnectorFactory
+from kvconnect.engine.block_pool import BlockPool
+from kvconnect.engine.executor import EngineDeadError, Executor
+from kvconnect.engine.request import (
+    CompletionOutput,
+    Request,
+    RequestOutput,
+    RequestStatus,
+    SamplingParams,
+)
+from kvconnect.engine.scheduler import Scheduler, SchedulerConfig
+from kvconnect.engine.worker import WorkerConfig
+from kvconnect.model.loader import load_model_info
+from kvconnect.publisher import EventPublisher, EventPublisherFactory
+
+logger = logging.getLogger(__name__)
+
+C = TypeVar("C", KVEventsConfig, KVTransferConfig)
+Prompt = str | Sequence[int]
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+
+
+def as_config(cls: type[C], value: C | Mapping[str, Any] | str | None) -> C | None:
+    """A config from the object itself, a dict, or vLLM-style JSON text."""
+    if value is None or isinstance(value, cls):
+        return value
+    if isinstance(value, str):
+        return cls.from_json(value)
+    if isinstance(value, Mapping):
+        return cls.from_dict(value)
+    raise ValueError(f"{cls.__name__}: expected the object, a dict or JSON, got {value!r}")
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str = "tiny",
+        tensor_parallel_size: int = 1,
+        block_size: int = 16,
+        enable_prefix_caching: bool = True,
+        kv_transfer_config: KVTransferConfig | Mapping[str, Any] | str | None = None,
+        kv_events_config: KVEventsConfig | Mapping[str, Any] | str | None = None,
+        *,
+        num_kv_blocks: int = 1024,
+        dtype: str = "float32",
+        seed: int = 0,
+        max_num_batched_tokens: int = 1024,
+        max_num_seqs: int = 64,
+        enable_chunked_prefill: bool = True,
+        max_model_len: int | None = None,
+        hash_algorithm: str = "sha256_cbor",
+        hash_seed: str | None = None,
+        data_parallel_rank: int = 0,
+        step_timeout: float = 60.0,
+    ) -> None:
+        self.model = model
+        transfer = as_config(KVTransferConfig, kv_transfer_config)
+        events = as_config(KVEventsConfig, kv_events_config)
+        self.model_config, self.tokenizer = load_model_info(model)
+        self.model_config.check_tensor_parallel(tensor_parallel_size)
+        self.block_size = block_size
+        self.hash_algorithm, self.hash_seed = hash_algorithm, hash_seed
+        worker_config = WorkerConfig(
+            model=model,
+            tensor_parallel_size=tensor_parallel_size,
+            block_size=block_size,
+            num_kv_blocks=num_kv_blocks,
+            dtype=dtype,
+            seed=seed,
+            kv_transfer_config=transfer,
+            hash_algorithm=hash_algorithm,
+            hash_seed=hash_seed,
+            data_parallel_rank=data_parallel_rank,
+        )
+        self.connector: KVConnectorBase | None = None
+        if transfer is not None and transfer.kv_connector:
+            self.connector = KVConnectorFactory.create_connector(
+                worker_config.connector_context(0), KVConnectorRole.SCHEDULER
+            )
+        self.publisher: EventPublisher = EventPublisherFactory.create(events, data_parallel_rank)
+        pool = BlockPool(
+            num_kv_blocks,
+            block_size,
+            enable_caching=enable_prefix_caching,
+            enable_kv_cache_events=events is not None and events.enable_kv_cache_events,
+        )
+        max_len = max_model_len or min(
+            self.model_config.max_position_embeddings, num_kv_blocks * block_size
+        )
+        self.scheduler = Scheduler(
+            SchedulerConfig(max_num_batched_tokens, max_num_seqs, enable_chunked_prefill, max_len),
+            pool,
+            self.connector,
+            self.publisher,
+        )
+        try:
+            self.executor = Executor(
+                worker_config,
+                expected_finished_count=self.connector.get_finished_count()
+                if self.connector
+                else None,
+                step_timeout=step_timeout,
+            )
+        except BaseException:
+            self.publisher.shutdown()
+            raise
+        self._next_id = 0
+        self._closed = False
+
+    # -- requests -------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        prompt: Prompt,
+        params: SamplingParams,
+        request_id: str | None = None,
+        **kwargs: Any,
+    ) -> Request:
+        token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        vocab = self.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in token_ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if request_id is None:
+            request_id, self._next_id = str(self._next_id), self._next_id + 1
+        request = Request(
+            request_id,
+            token_ids,
+            params,
+            self.block_size,
+            hash_algorithm=self.hash_algorithm,
+            hash_seed=self.hash_seed,
+            eos_token_id=self.tokenizer.eos_token_id,
+            **kwargs,
+        )
+        self.scheduler.add_request(request)
+        return request
+
+    def step(self) -> list[Request]:
+        """One engine step; returns the requests that finished in it."""
+        out = self.scheduler.schedule()
+        try:
+            sampled, kv_output = self.executor.execute_model(out)
+        except EngineDeadError as e:
+            self._fail_all(str(e))
+            raise
+        finished = self.scheduler.update_from_output(out, sampled, kv_output)
+        if not out.scheduled:
+            if not (
+                self.scheduler.running
+                or self.scheduler.has_pending_transfers
+                or self.scheduler._remote_waiting
+                or self.connector is not None
+            ):
+                waiting = [r.request_id for r in self.scheduler.waiting]
+                raise RuntimeError(f"requests {waiting} cannot be scheduled (too few KV blocks?)")
+            time.sleep(0.001)  # waiting on transfers only
+        return finished
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt (text or token ids); outputs in prompt order."""
+        if self._closed:
+            raise RuntimeError("LLM.generate() called after shutdown()")
+        batch: list[Prompt]
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            batch = [prompts]  # type: ignore[list-item]
+        else:
+            batch = list(prompts)  # type: ignore[arg-type]
+        params = sampling_params or SamplingParams()
+        per_prompt = list(params) if isinstance(params, Sequence) else [params] * len(batch)
+        if len(per_prompt) != len(batch):
+            raise ValueError(f"{len(per_prompt)} sampling params for {len(batch)} prompts")
+        requests = [self.add_request(p, sp) for p, sp in zip(batch, per_prompt, strict=True)]
+        while self.scheduler.has_unfinished_requests:
+            self.step()
+        deadline = time.monotonic() + 30
+        while self.scheduler.has_pending_transfers and time.monotonic() < deadline:
+            self.step()  # let async saves finish, so their blocks come back
+        return [self._output(r, p) for r, p in zip(requests, batch, strict=True)]
+
+    def _output(self, req: Request, prompt: Prompt) -> RequestOutput:
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt=prompt if isinstance(prompt, str) else None,
+            prompt_token_ids=req.prompt_token_ids,
+            outputs=[
+                CompletionOutput(
+                    0,
+                    self.tokenizer.decode(req.output_token_ids),
+                    list(req.output_token_ids),
+                    _FINISH_REASONS.get(req.status),
+                )
+            ],
+            finished=req.status.is_finished,
+            num_cached_tokens=max(0, req.num_cached_tokens),
+            num_external_tokens=req.num_external_tokens,
+            kv_transfer_params=req.kv_transfer_params,
+        )
+
+    def _fail_all(self, reason: str) -> None:
+        sched = self.scheduler
+        for req in [*sched.waiting, *sched.running, *sched._remote_waiting.values()]:
+            req.status = RequestStatus.FINISHED_ERROR
+            req.error = reason
+        sched.waiting.clear()
+        sched.running.clear()
+        sched._remote_waiting.clear()
+        self.shutdown()
+
+    def reset_prefix_cache(self) -> bool:
+        """Empty the engine's prefix cache (and the connector's); False while blocks are used."""
+        return self.scheduler.reset_prefix_cache()
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.executor.shutdown(timeout)
+        if self.connector is not None:
+            self.connector.shutdown()
+        self.publisher.shutdown(timeout=1.0)
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()

@@ -1,0 +1,416 @@
+"""Continuous batching with chunked prefill, preemption by recompute, and the connector hooks.
+
+Each step:
+  schedule()              running requests first (decode or the next prefill chunk), preempting
+                          the newest running request when blocks run out; then waiting requests
+                          in order: prefix-cache lookup, connector.get_num_new_matched_tokens,
+                          allocation, connector.update_state_after_alloc; then
+                          connector.build_connector_meta(output)
+  (workers run the step)
+  update_from_output()    invalid blocks -> recompute; advance computed tokens, cache full
+                          blocks, append sampled tokens, finish (connector.request_finished);
+                          connector.update_connector_output; finished_recving / finished_sending;
+                          block-pool events then connector events -> one KVEventBatch -> publish()
+
+Requests waiting for an async connector load sit in `WAITING_FOR_REMOTE_KVS` until their id
+comes back in `finished_recving`; requests whose async save is running keep their blocks until
+`finished_sending`. Finished ids of requests the scheduler no longer tracks are ignored.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import zlib
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvconnect.connector.base import KVConnectorBase, KVConnectorMetadata, KVConnectorOutput
+from kvconnect.engine.block_pool import BlockPool, KVCacheBlock
+from kvconnect.engine.kv_cache_manager import KVCacheManager
+from kvconnect.engine.request import Request, RequestStatus
+from kvconnect.events import KVEventBatch
+from kvconnect.publisher import EventPublisher, NullEventPublisher
+
+logger = logging.getLogger(__name__)
+
+_SKIPPED, _PARKED = -1, -2  # outcomes of _admit besides "took N tokens" and "does not fit"
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int = 1024
+    """Token budget of one step."""
+    max_num_seqs: int = 64
+    """Requests running at once."""
+    enable_chunked_prefill: bool = True
+    """Split long prompts over several steps instead of waiting for a budget that fits."""
+    max_model_len: int = 4096
+    """Prompt plus output tokens of one request."""
+
+
+@dataclass
+class ScheduledRequest:
+    """What the workers compute for one request this step."""
+
+    request_id: str
+    token_ids: list[int]
+    """The tokens computed this step."""
+    start_position: int
+    """Position of the first of them (the request's computed tokens so far)."""
+    block_ids: list[int]
+    """The request's whole block table."""
+    sample: bool
+    """The step reaches the request's last token: sample the next one."""
+    temperature: float
+    seed: int
+    num_output_tokens: int
+
+
+@dataclass
+class NewRequestData:
+    """A request entering the running set, as connectors see it."""
+
+    request_id: str
+    all_token_ids: list[int]
+    block_hashes: list[bytes]
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    finished_req_ids: set[str] = field(default_factory=set)
+    """Requests that finished since the previous step (workers pass them to get_finished)."""
+    preempted_req_ids: set[str] = field(default_factory=set)
+    kv_connector_metadata: KVConnectorMetadata | None = None
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens.values())
+
+
+@dataclass
+class SchedulerStats:
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_external_tokens: int = 0
+    num_preemptions: int = 0
+    num_recomputed_blocks: int = 0
+    num_events_published: int = 0
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        pool: BlockPool,
+        connector: KVConnectorBase | None = None,
+        publisher: EventPublisher | None = None,
+    ) -> None:
+        self.config = config
+        self.pool = pool
+        self.kv = KVCacheManager(pool)
+        self.block_size = pool.block_size
+        self.connector = connector
+        self.publisher = publisher or NullEventPublisher()
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._remote_waiting: dict[str, Request] = {}  # async loads in flight
+        self._finished_recving: set[str] = set()  # loads done, to promote next schedule()
+        self._saving: dict[str, Request] = {}  # finished, async save in flight: blocks held
+        self._aborted_loading: set[str] = set()  # aborted during a load: blocks held
+        self._finished_req_ids: set[str] = set()
+        self.stats = SchedulerStats()
+
+    # -- requests -----------------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        total = request.num_tokens + request.sampling_params.max_tokens
+        if total > self.config.max_model_len:
+            raise ValueError(
+                f"request {request.request_id!r}: prompt ({request.num_tokens}) + max_tokens "
+                f"({request.sampling_params.max_tokens}) exceeds max_model_len "
+                f"{self.config.max_model_len}"
+            )
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort_request(self, request_id: str) -> None:
+        request = self.requests.get(request_id)
+        if request is None or request.status.is_finished:
+            return
+        if request_id in self._remote_waiting:
+            del self._remote_waiting[request_id]
+            self._aborted_loading.add(request_id)  # the load still writes into its blocks
+        if request in self.waiting:
+            self.waiting.remove(request)
+        if request in self.running:
+            self.running.remove(request)
+        self._finish(
+            request, RequestStatus.FINISHED_ABORTED, free=request_id not in self._aborted_loading
+        )
+
+    @property
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running or self._remote_waiting)
+
+    @property
+    def has_pending_transfers(self) -> bool:
+        return bool(self._saving or self._aborted_loading)
+
+    # -- schedule -----------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        self._promote_finished_loads()
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = req.num_tokens - req.num_computed_tokens
+            if num_new > budget and not self.config.enable_chunked_prefill:
+                i += 1
+                continue
+            num_new = min(num_new, budget)
+            block_ids = self.kv.allocate_slots(req, req.num_computed_tokens + num_new)
+            while block_ids is None:
+                victim = self.running.pop()
+                self._preempt(victim, out)
+                if victim is req:
+                    break
+                block_ids = self.kv.allocate_slots(req, req.num_computed_tokens + num_new)
+            if block_ids is None:
+                break
+            self._add_scheduled(out, req, num_new, block_ids)
+            budget -= num_new
+            i += 1
+
+        skipped: list[Request] = []
+        while (
+            self.waiting
+            and budget > 0
+            and not out.preempted_req_ids
+            and len(self.running) < self.config.max_num_seqs
+        ):
+            req = self.waiting[0]
+            admitted = self._admit(req, budget, out)
+            if admitted is None:
+                break  # out of blocks (or budget, without chunked prefill): keep the order
+            self.waiting.popleft()
+            if admitted == _SKIPPED:
+                skipped.append(req)  # the connector is still looking: ask again next step
+            elif admitted != _PARKED:
+                budget -= admitted
+        self.waiting.extendleft(reversed(skipped))
+
+        out.finished_req_ids, self._finished_req_ids = self._finished_req_ids, set()
+        if self.connector is not None:
+            out.kv_connector_metadata = self.connector.build_connector_meta(out)
+        return out
+
+    def _admit(self, req: Request, budget: int, out: SchedulerOutput) -> int | None:
+        """Schedule a waiting request. Returns the tokens it took, `_SKIPPED` (the connector
+        is undecided), `_PARKED` (waiting for an async load), or None if it does not fit."""
+        hits: list[KVCacheBlock] = []
+        num_local = req.num_computed_tokens
+        num_external, load_async = 0, False
+        if req.num_computed_tokens == 0:  # not a request promoted after an async load
+            hits, num_local = self.kv.get_computed_blocks(req)
+            if self.connector is not None:
+                matched, load_async = self.connector.get_num_new_matched_tokens(req, num_local)
+                if matched is None:
+                    return _SKIPPED
+                num_external = matched
+        num_computed = num_local + num_external
+        if load_async:
+            block_ids = self.kv.allocate_slots(req, num_computed, hits)
+            if block_ids is None:
+                return None
+            assert self.connector is not None
+            self.connector.update_state_after_alloc(req, block_ids, num_external)
+            self._record_hits(req, num_local, num_external)
+            req.num_computed_tokens = num_computed
+            req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+            self._remote_waiting[req.request_id] = req
+            return _PARKED
+        num_new = req.num_tokens - num_computed
+        if num_new > budget:
+            if not self.config.enable_chunked_prefill:
+                return None
+            num_new = budget
+        block_ids = self.kv.allocate_slots(req, num_computed + num_new, hits)
+        if block_ids is None:
+            return None
+        if self.connector is not None and req.num_computed_tokens == 0:
+            self.connector.update_state_after_alloc(req, block_ids, num_external)
+        if req.num_computed_tokens == 0:
+            self._record_hits(req, num_local, num_external)
+        req.num_computed_tokens = num_computed
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        out.scheduled_new_reqs.append(
+            NewRequestData(
+                req.request_id,
+                list(req.all_token_ids),
+                list(req.block_hashes),
+                block_ids,
+                num_computed,
+            )
+        )
+        self._add_scheduled(out, req, num_new, block_ids)
+        return num_new
+
+    def _record_hits(self, req: Request, num_local: int, num_external: int) -> None:
+        if req.num_cached_tokens < 0:  # the first admission, not a re-admission
+            req.num_cached_tokens = num_local
+            req.num_external_tokens = num_external
+            self.stats.num_prompt_tokens += len(req.prompt_token_ids)
+            self.stats.num_cached_tokens += num_local
+            self.stats.num_external_tokens += num_external
+
+    def _add_scheduled(
+        self, out: SchedulerOutput, req: Request, num_new: int, block_ids: list[int]
+    ) -> None:
+        start = req.num_computed_tokens
+        params = req.sampling_params
+        out.scheduled.append(
+            ScheduledRequest(
+                request_id=req.request_id,
+                token_ids=req.all_token_ids[start : start + num_new],
+                start_position=start,
+                block_ids=block_ids,
+                sample=start + num_new == req.num_tokens,
+                temperature=params.temperature,
+                seed=params.seed
+                if params.seed is not None
+                else zlib.crc32(req.request_id.encode()),
+                num_output_tokens=len(req.output_token_ids),
+            )
+        )
+        out.num_scheduled_tokens[req.request_id] = num_new
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        """Free the request's blocks; it starts over (its cached prefix may survive)."""
+        self.kv.free(req.request_id)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.WAITING
+        req.num_preemptions += 1
+        self.stats.num_preemptions += 1
+        self.waiting.appendleft(req)
+        out.preempted_req_ids.add(req.request_id)
+        if req.request_id in out.num_scheduled_tokens:  # scheduled earlier in this step
+            del out.num_scheduled_tokens[req.request_id]
+            out.scheduled = [s for s in out.scheduled if s.request_id != req.request_id]
+
+    def _promote_finished_loads(self) -> None:
+        for req_id in self._finished_recving:
+            req = self._remote_waiting.pop(req_id, None)
+            if req is None:
+                continue
+            self.kv.cache_blocks(req, req.num_computed_tokens)
+            req.status = RequestStatus.WAITING
+            self.waiting.appendleft(req)
+        self._finished_recving.clear()
+
+    # -- after the step -----------------------------------------------------------------------
+
+    def update_from_output(
+        self,
+        out: SchedulerOutput,
+        sampled: dict[str, int],
+        kv_output: KVConnectorOutput | None,
+    ) -> list[Request]:
+        """Apply a finished step; returns the requests that finished in it."""
+        invalid = kv_output.invalid_block_ids if kv_output is not None else set()
+        redo = self._handle_invalid_blocks(invalid) if invalid else set()
+        finished: list[Request] = []
+        for sched in out.scheduled:
+            req = self.requests.get(sched.request_id)
+            if req is None or req.status is not RequestStatus.RUNNING or req.request_id in redo:
+                continue
+            req.num_computed_tokens += len(sched.token_ids)
+            self.kv.cache_blocks(req, req.num_computed_tokens)
+            if sched.sample:
+                req.append_output_token(sampled[req.request_id])
+                status = req.check_stop()
+                if status is not None:
+                    self.running.remove(req)
+                    self._finish(req, status)
+                    finished.append(req)
+        if self.connector is not None:
+            kv_output = kv_output or KVConnectorOutput()
+            self.connector.update_connector_output(kv_output)
+            self._finished_recving |= kv_output.finished_recving or set()
+            for req_id in kv_output.finished_recving or ():
+                if req_id in self._aborted_loading:
+                    self._aborted_loading.discard(req_id)
+                    self.kv.free(req_id)
+            for req_id in kv_output.finished_sending or ():
+                if self._saving.pop(req_id, None) is not None:
+                    self.kv.free(req_id)
+        self._publish_events()
+        return finished
+
+    def _handle_invalid_blocks(self, invalid: set[int]) -> set[str]:
+        """Requests whose blocks failed to load recompute from the first bad block."""
+        affected: set[str] = set()
+        for req in [*self.running, *self._remote_waiting.values()]:
+            ids = self.kv.block_ids(req.request_id)
+            bad = next((i for i, b in enumerate(ids) if b in invalid), None)
+            if bad is None:
+                continue
+            req.num_computed_tokens = min(req.num_computed_tokens, bad * self.block_size)
+            self.kv.truncate_computed(req, bad)
+            affected.add(req.request_id)
+            self.stats.num_recomputed_blocks += len(ids) - bad
+        self.pool.evict_blocks(invalid)
+        logger.warning(
+            "%d blocks failed to load; %d requests recompute them", len(invalid), len(affected)
+        )
+        return affected
+
+    def _finish(self, req: Request, status: RequestStatus, free: bool = True) -> None:
+        req.status = status
+        self._finished_req_ids.add(req.request_id)
+        del self.requests[req.request_id]
+        hold = False
+        if self.connector is not None:
+            hold, params = self.connector.request_finished(req, self.kv.block_ids(req.request_id))
+            req.kv_transfer_params = params
+        if hold:
+            self._saving[req.request_id] = req
+        elif free:
+            self.kv.free(req.request_id)
+
+    def _publish_events(self) -> None:
+        events: list[Any] = self.pool.take_events()
+        if self.connector is not None:
+            events.extend(self.connector.take_events())
+        if events:
+            self.publisher.publish(KVEventBatch(time.time(), events))
+            self.stats.num_events_published += len(events)
+
+    def reset_prefix_cache(self) -> bool:
+        ok = self.pool.reset_prefix_cache()
+        if ok and self.connector is not None:
+            self.connector.reset_cache()
+        self._publish_events()
+        return ok
+
+    def check_integrity(self) -> None:
+        self.pool.check_integrity()
+        held = set(self._saving) | self._aborted_loading
+        live = {
+            r.request_id for r in [*self.waiting, *self.running, *self._remote_waiting.values()]
+        }
+        assert live <= set(self.requests), "a queued request is not tracked"
+        assert self.kv.num_requests <= len(live) + len(held), "blocks held by unknown requests"

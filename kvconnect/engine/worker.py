@@ -1,0 +1,226 @@
+"""A tensor-parallel worker: its model shard, its paged KV cache shard, its connector.
+
+Runs in its own process (`worker_main`), driven over a pipe by the executor. One step, in
+vLLM's order:
+
+    bind_connector_metadata, start_load_kv
+    forward: per layer  wait_for_layer_load -> attention -> save_kv_layer
+    wait_for_save, get_finished, get_block_ids_with_load_errors, get_kv_connector_stats,
+    build_connector_worker_meta, clear_connector_metadata
+
+Rank 0 samples the next tokens; every rank returns its `KVConnectorOutput`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import traceback
+from dataclasses import dataclass, field
+from datetime import timedelta
+from multiprocessing.connection import Connection
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from kvconnect.config import KVTransferConfig
+from kvconnect.connector.base import (
+    KVConnectorBase,
+    KVConnectorContext,
+    KVConnectorOutput,
+    KVConnectorRole,
+)
+from kvconnect.connector.registry import KVConnectorFactory
+from kvconnect.engine.scheduler import SchedulerOutput
+from kvconnect.model.llama import AttentionMetadata
+from kvconnect.model.loader import load_model
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    model: str
+    tensor_parallel_size: int
+    block_size: int
+    num_kv_blocks: int
+    dtype: str = "float32"
+    seed: int = 0
+    kv_transfer_config: KVTransferConfig | None = None
+    hash_algorithm: str = "sha256_cbor"
+    hash_seed: str | None = None
+    data_parallel_rank: int = 0
+    dist_port: int = 0
+    num_threads: int = 0
+    """Torch threads per worker; 0 shares the machine's cores among the workers."""
+
+    def connector_context(self, rank: int) -> KVConnectorContext:
+        assert self.kv_transfer_config is not None
+        return KVConnectorContext(
+            self.kv_transfer_config,
+            world_size=self.tensor_parallel_size,
+            rank=rank,
+            block_size=self.block_size,
+            model_name=self.model,
+            hash_algorithm=self.hash_algorithm,
+            hash_seed=self.hash_seed,
+            data_parallel_rank=self.data_parallel_rank,
+        )
+
+
+@dataclass
+class WorkerOutput:
+    sampled: dict[str, int] = field(default_factory=dict)
+    """Next token per sampling request (rank 0 only)."""
+    kv_connector_output: KVConnectorOutput | None = None
+
+
+@dataclass
+class ForwardContext:
+    """What `start_load_kv` gets: the KV caches by layer name and this step's layout."""
+
+    kv_caches: dict[str, torch.Tensor]
+    attn_metadata: AttentionMetadata | None
+
+
+class _ConnectorHooks:
+    def __init__(self, connector: KVConnectorBase, meta: AttentionMetadata) -> None:
+        self.connector, self.meta = connector, meta
+
+    def before_attention(self, layer_name: str) -> None:
+        self.connector.wait_for_layer_load(layer_name)
+
+    def after_attention(self, layer_name: str, kv_cache: torch.Tensor) -> None:
+        self.connector.save_kv_layer(layer_name, kv_cache, self.meta)
+
+
+class ModelRunner:
+    def __init__(self, config: WorkerConfig, rank: int) -> None:
+        self.config = config
+        self.rank = rank
+        self.model, _ = load_model(
+            config.model, rank, config.tensor_parallel_size, config.dtype, config.seed
+        )
+        dtype = next(self.model.parameters()).dtype
+        shape = self.model.kv_cache_shape(config.num_kv_blocks, config.block_size)
+        self.kv_caches = [torch.zeros(shape, dtype=dtype) for _ in self.model.layer_names]
+        self.kv_caches_by_name = dict(zip(self.model.layer_names, self.kv_caches, strict=True))
+        self.connector: KVConnectorBase | None = None
+        if config.kv_transfer_config is not None and config.kv_transfer_config.kv_connector:
+            self.connector = KVConnectorFactory.create_connector(
+                config.connector_context(rank), KVConnectorRole.WORKER
+            )
+            self.connector.register_kv_caches(self.kv_caches_by_name)
+
+    def _prepare(
+        self, out: SchedulerOutput
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        bs = self.config.block_size
+        token_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_lens, context_lens, tables = [], [], []
+        for s in out.scheduled:
+            n = len(s.token_ids)
+            token_ids += s.token_ids
+            pos = range(s.start_position, s.start_position + n)
+            positions += pos
+            slots += [s.block_ids[p // bs] * bs + p % bs for p in pos]
+            query_lens.append(n)
+            context_lens.append(s.start_position + n)
+            tables.append(s.block_ids)
+        meta = AttentionMetadata(
+            query_lens, context_lens, tables, torch.tensor(slots, dtype=torch.long), bs
+        )
+        return torch.tensor(token_ids), torch.tensor(positions), meta
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> WorkerOutput:
+        c = self.connector
+        prepared = self._prepare(out) if out.scheduled else None
+        if c is not None:
+            assert out.kv_connector_metadata is not None
+            c.bind_connector_metadata(out.kv_connector_metadata)
+            c.start_load_kv(ForwardContext(self.kv_caches_by_name, prepared and prepared[2]))
+        result = WorkerOutput()
+        if prepared is not None:
+            input_ids, positions, meta = prepared
+            hooks = _ConnectorHooks(c, meta) if c is not None else None
+            hidden = self.model(input_ids, positions, self.kv_caches, meta, hooks)
+            if self.rank == 0:
+                result.sampled = self._sample(out, hidden, meta)
+        if c is not None:
+            c.wait_for_save()
+            sending, recving = c.get_finished(out.finished_req_ids)
+            result.kv_connector_output = KVConnectorOutput(
+                finished_sending=sending,
+                finished_recving=recving,
+                invalid_block_ids=c.get_block_ids_with_load_errors(),
+                kv_connector_stats=c.get_kv_connector_stats(),
+                kv_connector_worker_meta=c.build_connector_worker_meta(),
+            )
+            c.clear_connector_metadata()
+            if result.kv_connector_output.is_empty():
+                result.kv_connector_output = None
+        return result
+
+    def _sample(
+        self, out: SchedulerOutput, hidden: torch.Tensor, meta: AttentionMetadata
+    ) -> dict[str, int]:
+        rows, reqs = [], []
+        end = 0
+        for s, n in zip(out.scheduled, meta.query_lens, strict=True):
+            end += n
+            if s.sample:
+                rows.append(end - 1)
+                reqs.append(s)
+        if not rows:
+            return {}
+        logits = self.model.compute_logits(hidden[rows])
+        sampled = {}
+        for s, row in zip(reqs, logits, strict=True):
+            if s.temperature == 0:
+                token = int(row.argmax())
+            else:
+                gen = torch.Generator().manual_seed(s.seed * 1_000_003 + s.num_output_tokens)
+                probs = torch.softmax(row / s.temperature, dim=-1)
+                token = int(torch.multinomial(probs, 1, generator=gen))
+            sampled[s.request_id] = token
+        return sampled
+
+    def shutdown(self) -> None:
+        if self.connector is not None:
+            self.connector.shutdown()
+
+
+def worker_main(config: WorkerConfig, rank: int, conn: Connection) -> None:
+    """Process entry: set up, say ready, then run steps until told to stop."""
+    runner: ModelRunner | None = None
+    tp = config.tensor_parallel_size
+    try:
+        threads = config.num_threads or max(1, (os.cpu_count() or 1) // tp)
+        torch.set_num_threads(threads)
+        if tp > 1:
+            dist.init_process_group(
+                "gloo",
+                init_method=f"tcp://127.0.0.1:{config.dist_port}",
+                rank=rank,
+                world_size=tp,
+                timeout=timedelta(seconds=60),
+            )
+        runner = ModelRunner(config, rank)
+        conn.send(("ready", os.getpid()))
+        while True:
+            msg: Any = conn.recv()
+            if msg is None:
+                break
+            conn.send(("ok", runner.execute(msg)))
+    except (EOFError, KeyboardInterrupt, BrokenPipeError):
+        pass  # the engine went away
+    except BaseException:
+        with contextlib.suppress(OSError, EOFError):
+            conn.send(("error", traceback.format_exc()))
+    finally:
+        if runner is not None:
+            runner.shutdown()
+        if tp > 1 and dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,241 @@
+"""A Llama-style decoder (RMSNorm, RoPE, grouped-query attention, SwiGLU) over a paged KV cache.
+
+Module names follow Hugging Face (`model.layers.N.self_attn.q_proj`, ...) so checkpoints load by
+name. With tensor parallelism each rank holds `heads / tp` query heads, `kv_heads / tp` KV heads
+and `intermediate / tp` MLP columns; the outputs of `o_proj` and `down_proj` are summed across
+ranks (all-reduce). Embedding, norms and LM head are replicated.
+
+A step runs a flat batch: the new tokens of every scheduled request, one after another.
+
+    tokens    [ r0: t t t t | r1: t | r2: t t ]      (T tokens; query_lens = [4, 1, 2])
+    slots      where each token's K/V goes in the cache (block_id * block_size + offset)
+    per request: attend to its cache context through its block table (context_lens)
+
+Paged KV cache of one layer (this rank's shard): [2, num_blocks, block_size, kv_heads, head_dim]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from kvconnect.model.config import ModelConfig
+
+
+@dataclass
+class AttentionMetadata:
+    """Where a step's tokens come from and go to."""
+
+    query_lens: list[int]
+    """New tokens per request, in batch order."""
+    context_lens: list[int]
+    """Tokens in the cache per request once this step's are written (computed + new)."""
+    block_tables: list[list[int]]
+    """Each request's block ids, in sequence order."""
+    slot_mapping: torch.Tensor
+    """Cache slot of every new token, [T] int64."""
+    block_size: int
+
+
+class LayerHooks(Protocol):
+    """Called around each layer's attention (the worker's KV connector)."""
+
+    def before_attention(self, layer_name: str) -> None: ...
+    def after_attention(self, layer_name: str, kv_cache: torch.Tensor) -> None: ...
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rope_cos_sin(
+    positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of shape [T, head_dim] (the half-split layout Hugging Face Llama uses)."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    angles = positions.float()[:, None] * inv_freq[None, :]
+    angles = torch.cat((angles, angles), dim=-1)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, head_dim]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+def paged_attention(
+    q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+) -> torch.Tensor:
+    """Attention of each request's new queries over its cached context.
+
+    q: [T, heads, head_dim]; kv_cache: [2, num_blocks, block_size, kv_heads, head_dim].
+    Query i of a request with n new tokens and context c sits at position c - n + i and sees
+    keys 0..c - n + i.
+    """
+    out = torch.empty_like(q)
+    start = 0
+    bs = meta.block_size
+    for n, ctx, table in zip(meta.query_lens, meta.context_lens, meta.block_tables, strict=True):
+        blocks = torch.tensor(table[: (ctx + bs - 1) // bs], dtype=torch.long)
+        k = kv_cache[0, blocks].flatten(0, 1)[:ctx]  # [ctx, kv_heads, d]
+        v = kv_cache[1, blocks].flatten(0, 1)[:ctx]
+        qi = q[start : start + n].transpose(0, 1)  # [heads, n, d]
+        mask = None
+        if n > 1:
+            q_pos = torch.arange(ctx - n, ctx)[:, None]
+            mask = torch.arange(ctx)[None, :] <= q_pos  # [n, ctx]
+        o = F.scaled_dot_product_attention(
+            qi, k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, enable_gqa=True
+        )
+        out[start : start + n] = o.transpose(0, 1)
+        start += n
+    return out
+
+
+def _all_reduce(x: torch.Tensor, tp: int) -> torch.Tensor:
+    if tp > 1:
+        dist.all_reduce(x)
+    return x
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, tp: int, layer_name: str) -> None:
+        super().__init__()
+        self.tp = tp
+        self.layer_name = layer_name
+        self.num_heads = config.num_attention_heads // tp
+        self.num_kv_heads = config.num_key_value_heads // tp
+        self.head_dim = config.head_dim
+        self.rope_theta = config.rope_theta
+        hd, bias = config.head_dim, config.attention_bias
+        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * hd, bias=bias)
+        self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * hd, bias=bias)
+        self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * hd, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * hd, config.hidden_size, bias=False)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        hooks: LayerHooks | None,
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        q = apply_rope(self.q_proj(x).view(t, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rope(self.k_proj(x).view(t, self.num_kv_heads, self.head_dim), cos, sin)
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        if hooks is not None:
+            hooks.before_attention(self.layer_name)  # an external load may fill the cache
+        flat = kv_cache.view(2, -1, self.num_kv_heads, self.head_dim)
+        flat[0].index_copy_(0, meta.slot_mapping, k)
+        flat[1].index_copy_(0, meta.slot_mapping, v)
+        o = paged_attention(q, kv_cache, meta)
+        if hooks is not None:
+            hooks.after_attention(self.layer_name, kv_cache)
+        return _all_reduce(self.o_proj(o.reshape(t, -1)), self.tp)
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig, tp: int) -> None:
+        super().__init__()
+        self.tp = tp
+        inter = config.intermediate_size // tp
+        self.gate_proj = nn.Linear(config.hidden_size, inter, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, inter, bias=False)
+        self.down_proj = nn.Linear(inter, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h: torch.Tensor = F.silu(self.gate_proj(x)) * self.up_proj(x)
+        return _all_reduce(self.down_proj(h), self.tp)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, tp: int, index: int) -> None:
+        super().__init__()
+        self.self_attn = Attention(config, tp, f"model.layers.{index}.self_attn")  # layer_names
+        self.mlp = MLP(config, tp)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        hooks: LayerHooks | None,
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta, hooks)
+        out: torch.Tensor = x + self.mlp(self.post_attention_layernorm(x))
+        return out
+
+
+class _Backbone(nn.Module):
+    def __init__(self, config: ModelConfig, tp: int) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, tp, i) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    """This rank's shard of the model."""
+
+    def __init__(self, config: ModelConfig, tp: int = 1) -> None:
+        super().__init__()
+        config.check_tensor_parallel(tp)
+        self.config = config
+        self.tp = tp
+        self.model = _Backbone(config, tp)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def layer_names(self) -> list[str]:
+        return [f"model.layers.{i}.self_attn" for i in range(self.config.num_hidden_layers)]
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        """Shape of one layer's paged KV cache on this rank."""
+        kv_heads = self.config.num_key_value_heads // self.tp
+        return (2, num_blocks, block_size, kv_heads, self.config.head_dim)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+        hooks: LayerHooks | None = None,
+    ) -> torch.Tensor:
+        """Hidden states [T, hidden] after the final norm."""
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, x.dtype)
+        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+            x = layer(x, cos, sin, kv_cache, meta, hooks)
+        normed: torch.Tensor = self.model.norm(x)
+        return normed
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits: torch.Tensor = self.lm_head(hidden)
+        return logits.float()

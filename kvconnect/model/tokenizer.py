@@ -1,0 +1,44 @@
+"""Tokenizers: bytes for the tiny model, tokenizer.json (Hugging Face `tokenizers`) otherwise."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Protocol
+
+from kvconnect.model.config import TINY_BOS, TINY_EOS
+
+
+class Tokenizer(Protocol):
+    eos_token_id: int | None
+
+    def encode(self, text: str) -> list[int]: ...
+    def decode(self, token_ids: list[int]) -> str: ...
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as token ids 0..255; 256 is BOS, 257 is EOS."""
+
+    bos_token_id = TINY_BOS
+    eos_token_id: int | None = TINY_EOS
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, token_ids: list[int]) -> str:
+        return bytes(t for t in token_ids if t < 256).decode("utf-8", errors="replace")
+
+
+class HFTokenizer:
+    """A tokenizer.json, read with the `tokenizers` library."""
+
+    def __init__(self, path: Path, eos_token_id: int | None) -> None:
+        from tokenizers import Tokenizer as _Tokenizer
+
+        self._tok = _Tokenizer.from_file(str(path))
+        self.eos_token_id = eos_token_id
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=False).ids)
+
+    def decode(self, token_ids: list[int]) -> str:
+        return str(self._tok.decode(token_ids))

@@ -1,0 +1,207 @@
+"""The engine end to end: real worker processes, real torch, real ZMQ."""
+
+import os
+import random
+import signal
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from kvconnect import LLM, SamplingParams
+from kvconnect.engine.executor import EngineDeadError
+from kvconnect.events import AllBlocksCleared, BlockRemoved, BlockStored
+from kvconnect.hashing import to_wire
+from kvconnect.model.config import TINY
+from kvconnect.model.loader import tiny_state_dict
+from kvconnect.subscriber import KVEventSubscriber, ReceivedBatch
+from tests.connector.helpers import MODULE
+from tests.helpers import SETTLE_S
+
+pytestmark = pytest.mark.slow
+
+rng = random.Random(3)
+SYSTEM = [rng.randrange(256) for _ in range(40)]
+PROMPTS = [
+    SYSTEM + [rng.randrange(256) for _ in range(150)],
+    SYSTEM + [rng.randrange(256) for _ in range(9)],
+    [rng.randrange(256) for _ in range(5)],
+]
+GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
+
+
+def dense_reference(prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """Greedy decoding with transformers' Llama on the tiny weights, no KV cache at all."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=TINY.vocab_size,
+        hidden_size=TINY.hidden_size,
+        intermediate_size=TINY.intermediate_size,
+        num_hidden_layers=TINY.num_hidden_layers,
+        num_attention_heads=TINY.num_attention_heads,
+        num_key_value_heads=TINY.num_key_value_heads,
+        rms_norm_eps=TINY.rms_norm_eps,
+        rope_theta=TINY.rope_theta,
+        max_position_embeddings=TINY.max_position_embeddings,
+        tie_word_embeddings=False,
+    )
+    model = LlamaForCausalLM(cfg).eval()
+    model.load_state_dict(tiny_state_dict(TINY, seed=0), strict=True)
+    outs = []
+    with torch.no_grad():
+        for prompt in prompts:
+            ids = list(prompt)
+            for _ in range(max_tokens):
+                logits = model(torch.tensor([ids]), use_cache=False).logits[0, -1]
+                ids.append(int(logits.argmax()))
+            outs.append(ids[len(prompt) :])
+    return outs
+
+
+@pytest.fixture(scope="module")
+def reference() -> list[list[int]]:
+    return dense_reference(PROMPTS, GREEDY.max_tokens)
+
+
+@pytest.mark.parametrize(
+    ("tp", "prefix_caching", "budget"),
+    [(1, True, 1024), (2, False, 32), (2, True, 32)],
+)
+def test_greedy_matches_dense_reference(
+    reference: list[list[int]], tp: int, prefix_caching: bool, budget: int
+) -> None:
+    with LLM(
+        "tiny",
+        tensor_parallel_size=tp,
+        enable_prefix_caching=prefix_caching,
+        max_num_batched_tokens=budget,
+    ) as llm:
+        first = llm.generate(PROMPTS, GREEDY)
+        assert [o.outputs[0].token_ids for o in first] == reference
+        assert all(o.num_cached_tokens == 0 for o in first[:1])
+        again = llm.generate(PROMPTS, GREEDY)  # now from the prefix cache, when enabled
+        assert [o.outputs[0].token_ids for o in again] == reference
+        cached = [o.num_cached_tokens for o in again]
+        if prefix_caching:
+            assert cached == [(len(p) - 1) // 16 * 16 for p in PROMPTS]
+        else:
+            assert cached == [0, 0, 0]
+        assert again[0].outputs[0].finish_reason == "length"
+        llm.scheduler.check_integrity()
+        assert llm.scheduler.kv.num_requests == 0
+
+
+def test_seeded_sampling_is_reproducible_across_tp() -> None:
+    params = SamplingParams(max_tokens=12, temperature=0.8, seed=11, ignore_eos=True)
+    runs = []
+    for tp in (1, 2):
+        with LLM("tiny", tensor_parallel_size=tp) as llm:
+            runs.append([o.outputs[0].token_ids for o in llm.generate(PROMPTS[1:], params)])
+    assert runs[0] == runs[1]
+    assert runs[0][0] != dense_reference([PROMPTS[1]], 12)[0]  # not greedy
+
+
+@pytest.fixture
+def events_llm() -> Iterator[tuple[LLM, KVEventSubscriber]]:
+    with tempfile.TemporaryDirectory() as d:
+        cfg = {
+            "enable_kv_cache_events": True,
+            "endpoint": f"ipc://{d}/ev",
+            "replay_endpoint": f"ipc://{d}/replay",
+            "topic": "kv",
+        }
+        llm = LLM(
+            "tiny",
+            tensor_parallel_size=1,
+            block_size=4,
+            num_kv_blocks=40,
+            kv_events_config=cfg,
+            max_num_batched_tokens=64,
+        )
+        sub = KVEventSubscriber(f"ipc://{d}/ev", f"ipc://{d}/replay", topic="kv", start_seq=0)
+        time.sleep(SETTLE_S)
+        try:
+            yield llm, sub
+        finally:
+            sub.close()
+            llm.shutdown()
+
+
+def test_published_events_match_the_cache_after_a_random_workload(
+    events_llm: tuple[LLM, KVEventSubscriber],
+) -> None:
+    llm, sub = events_llm
+    r = random.Random(5)
+    prefixes = [[r.randrange(256) for _ in range(12)] for _ in range(3)]
+    for _ in range(6):
+        batch = [
+            r.choice(prefixes) + [r.randrange(256) for _ in range(r.randrange(1, 30))]
+            for _ in range(4)
+        ]
+        llm.generate(batch, SamplingParams(max_tokens=r.randrange(1, 6), ignore_eos=True))
+    counts: Counter[int | bytes] = Counter()
+    num_removed = 0
+    while (item := sub.recv(timeout=0.5)) is not None:
+        assert isinstance(item, ReceivedBatch), item
+        for ev in item.batch.events:
+            if isinstance(ev, BlockStored):
+                assert ev.medium == "GPU" and len(ev.token_ids) == 4 * len(ev.block_hashes)
+                counts.update(ev.block_hashes)
+            elif isinstance(ev, BlockRemoved):
+                counts.subtract(ev.block_hashes)
+                num_removed += 1
+    assert num_removed > 0, "the workload should have evicted blocks"
+    expected = {to_wire(h): n for h, n in llm.scheduler.pool.cached_hashes().items()}
+    assert +counts == expected
+    llm.scheduler.check_integrity()
+    # A reset clears the cache and says so.
+    assert llm.reset_prefix_cache() is True
+    item = sub.recv(timeout=2.0)
+    assert isinstance(item, ReceivedBatch) and item.batch.events == [AllBlocksCleared()]
+
+
+def test_worker_connector_events_reach_the_stream_once_across_tp_processes() -> None:
+    with tempfile.TemporaryDirectory() as d:
+        events = {"enable_kv_cache_events": True, "endpoint": f"ipc://{d}/ev"}
+        transfer = {
+            "kv_connector": "WorkerEventsConnector",
+            "kv_role": "kv_both",
+            "kv_connector_module_path": MODULE,
+            "kv_connector_extra_config": {"medium": "DISK", "lagging_rank": 1},
+        }
+        with LLM(
+            "tiny",
+            tensor_parallel_size=2,
+            block_size=4,
+            kv_events_config=events,
+            kv_transfer_config=transfer,
+        ) as llm:
+            sub = KVEventSubscriber(f"ipc://{d}/ev")
+            time.sleep(SETTLE_S)
+            prompt = list(range(30, 50))  # 5 full blocks
+            llm.generate([prompt], SamplingParams(max_tokens=2, ignore_eos=True))
+            disk = []
+            while (item := sub.recv(timeout=0.5)) is not None:
+                assert isinstance(item, ReceivedBatch)
+                disk += [e for e in item.batch.events if e.medium == "DISK"]  # type: ignore[union-attr]
+            sub.close()
+    assert len(disk) == 1 and isinstance(disk[0], BlockStored)
+    assert len(disk[0].block_hashes) == 5  # stored on both ranks, published once
+
+
+def test_a_killed_worker_fails_the_requests_quickly() -> None:
+    llm = LLM("tiny", tensor_parallel_size=2, step_timeout=30)
+    pid = llm.executor.worker_pids[1]
+    assert pid is not None
+    os.kill(pid, signal.SIGKILL)
+    start = time.monotonic()
+    with pytest.raises(EngineDeadError, match="worker 1"):
+        llm.generate(PROMPTS, GREEDY)
+    assert time.monotonic() - start < 15
+    assert llm.executor.worker_pids == []  # shut down, nothing left running
+    with pytest.raises(RuntimeError, match="after shutdown"):
+        llm.generate(PROMPTS, GREEDY)
