@@ -234,7 +234,7 @@ class LLM:
         sched.waiting.clear()
         sched.running.clear()
         sched._remote_waiting.clear()
-        self.shutdown()
+        self.shutdown(timeout=1.0)  # a worker is gone or stuck: do not wait long for the rest
 
     def reset_prefix_cache(self) -> bool:
         """Empty the engine's prefix cache (and the connector's); False while blocks are used."""

@@ -1,12 +1,16 @@
 """The engine end to end: real worker processes, real torch, real ZMQ."""
 
+import json
 import os
 import random
 import signal
+import subprocess
+import sys
 import tempfile
 import time
 from collections import Counter
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -205,3 +209,53 @@ def test_a_killed_worker_fails_the_requests_quickly() -> None:
     assert llm.executor.worker_pids == []  # shut down, nothing left running
     with pytest.raises(RuntimeError, match="after shutdown"):
         llm.generate(PROMPTS, GREEDY)
+
+
+def test_a_hung_worker_times_out_and_everything_is_stopped() -> None:
+    llm = LLM("tiny", tensor_parallel_size=2, step_timeout=3)
+    pids = list(llm.executor.worker_pids)
+    os.kill(pids[1], signal.SIGSTOP)  # alive but never answers
+    start = time.monotonic()
+    with pytest.raises(EngineDeadError, match="did not answer within 3s"):
+        llm.generate(PROMPTS[2:], GREEDY)
+    assert time.monotonic() - start < 15
+    for pid in pids:  # no worker left behind
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+def test_cli_generate_prints_outputs_and_what_was_published(tmp_path: Path) -> None:
+    events = json.dumps({"enable_kv_cache_events": True, "endpoint": f"ipc://{tmp_path}/ev"})
+    cmd = [
+        sys.executable,
+        "-m",
+        "kvconnect.cli",
+        "generate",
+        "--model",
+        "tiny",
+        "--tp",
+        "1",
+        "--prompt",
+        "x" * 40,
+        "--max-tokens",
+        "2",
+        "--repeat",
+        "2",
+        "--kv-events-config",
+        events,
+    ]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=True).stdout
+    assert "[run 1 prompt 0] 40 prompt tokens, 32 from the prefix cache" in out
+    assert "published 1 batches: 1 BlockStored(GPU) [2 blocks]" in out  # run 1 hit the cache
+
+
+def test_config_arguments_take_objects_dicts_and_json() -> None:
+    from kvconnect.config import KVEventsConfig
+    from kvconnect.engine.llm import as_config
+
+    obj = KVEventsConfig(enable_kv_cache_events=True, topic="t")
+    assert as_config(KVEventsConfig, obj) is obj
+    assert as_config(KVEventsConfig, {"enable_kv_cache_events": True, "topic": "t"}) == obj
+    assert as_config(KVEventsConfig, '{"enable_kv_cache_events": true, "topic": "t"}') == obj
+    with pytest.raises(ValueError, match="valid keys"):
+        as_config(KVEventsConfig, '{"enable": true}')
