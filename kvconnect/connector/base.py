@@ -150,9 +150,24 @@ class NewRequestData(Protocol):
     def num_computed_tokens(self) -> int: ...
 
 
+class ScheduledRequestData(Protocol):
+    """One request's work in a step: which tokens it computes and where its KV lives."""
+
+    @property
+    def request_id(self) -> str: ...
+    @property
+    def start_position(self) -> int: ...
+    @property
+    def token_ids(self) -> Sequence[int]: ...
+    @property
+    def block_ids(self) -> Sequence[int]: ...
+
+
 class SchedulerOutput(Protocol):
     """What `build_connector_meta` may read from the scheduler's output of a step."""
 
+    @property
+    def scheduled(self) -> Sequence[ScheduledRequestData]: ...
     @property
     def scheduled_new_reqs(self) -> Sequence[NewRequestData]: ...
     @property

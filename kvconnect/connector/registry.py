@@ -64,3 +64,6 @@ class KVConnectorFactory:
 KVConnectorFactory.register_connector(
     "MultiConnector", "kvconnect.connector.multi", "MultiConnector"
 )
+KVConnectorFactory.register_connector(
+    "OffloadConnector", "kvconnect.connector.offload.connector", "OffloadConnector"
+)

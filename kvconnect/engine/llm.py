@@ -236,9 +236,13 @@ class LLM:
         sched._remote_waiting.clear()
         self.shutdown(timeout=1.0)  # a worker is gone or stuck: do not wait long for the rest
 
-    def reset_prefix_cache(self) -> bool:
-        """Empty the engine's prefix cache (and the connector's); False while blocks are used."""
-        return self.scheduler.reset_prefix_cache()
+    def reset_prefix_cache(self, reset_connector: bool = False) -> bool:
+        """Empty the engine's prefix cache (and, if asked, the connector's: its workers clear
+        their tiers at the next step); False while blocks are in use."""
+        ok = self.scheduler.reset_prefix_cache(reset_connector)
+        if reset_connector and self.connector is not None:
+            self.step()  # carry the reset to the workers now
+        return ok
 
     def shutdown(self, timeout: float = 5.0) -> None:
         if self._closed:

@@ -26,7 +26,12 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvconnect.connector.base import KVConnectorBase, KVConnectorMetadata, KVConnectorOutput
+from kvconnect.connector.base import (
+    KVConnectorBase,
+    KVConnectorMetadata,
+    KVConnectorOutput,
+    KVConnectorStats,
+)
 from kvconnect.engine.block_pool import BlockPool, KVCacheBlock
 from kvconnect.engine.kv_cache_manager import KVCacheManager
 from kvconnect.engine.request import Request, RequestStatus
@@ -127,6 +132,7 @@ class Scheduler:
         self._aborted_loading: set[str] = set()  # aborted during a load: blocks held
         self._finished_req_ids: set[str] = set()
         self.stats = SchedulerStats()
+        self.connector_stats: KVConnectorStats | None = None
 
     # -- requests -----------------------------------------------------------------------------
 
@@ -348,6 +354,8 @@ class Scheduler:
                     finished.append(req)
         if self.connector is not None:
             kv_output = kv_output or KVConnectorOutput()
+            if kv_output.kv_connector_stats is not None:
+                self._add_connector_stats(kv_output.kv_connector_stats)
             self.connector.update_connector_output(kv_output)
             self._finished_recving |= kv_output.finished_recving or set()
             for req_id in kv_output.finished_recving or ():
@@ -359,6 +367,12 @@ class Scheduler:
                     self.kv.free(req_id)
         self._publish_events()
         return finished
+
+    def _add_connector_stats(self, stats: KVConnectorStats) -> None:
+        """Totals since start (the workers report per-step deltas)."""
+        if self.connector_stats is None:
+            self.connector_stats = type(stats)()
+        self.connector_stats.aggregate(stats)
 
     def _handle_invalid_blocks(self, invalid: set[int]) -> set[str]:
         """Requests whose blocks failed to load recompute from the first bad block."""
@@ -399,10 +413,10 @@ class Scheduler:
             self.publisher.publish(KVEventBatch(time.time(), events))
             self.stats.num_events_published += len(events)
 
-    def reset_prefix_cache(self) -> bool:
+    def reset_prefix_cache(self, reset_connector: bool = False) -> bool:
         ok = self.pool.reset_prefix_cache()
-        if ok and self.connector is not None:
-            self.connector.reset_cache()
+        if ok and reset_connector and self.connector is not None:
+            ok = self.connector.reset_cache() is not False
         self._publish_events()
         return ok
 

@@ -61,6 +61,7 @@ class FakeNewRequest:
 
 @dataclass
 class FakeSchedulerOutput:
+    scheduled: list[Any] = field(default_factory=list)
     scheduled_new_reqs: list[FakeNewRequest] = field(default_factory=list)
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     finished_req_ids: set[str] = field(default_factory=set)

@@ -1,0 +1,1 @@
+"""The offload connector: chunks of KV in cpu, disk and redis tiers, with full event coverage."""

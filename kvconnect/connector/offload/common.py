@@ -1,0 +1,133 @@
+"""What both halves of the offload connector share: settings, chunk identity, step messages.
+
+A chunk is `chunk_size` consecutive tokens of a request, a multiple of the engine's block size,
+starting at a multiple of `chunk_size`. It is stored once per TP rank (each rank holds its own
+KV heads) under a key naming the model, the world size, the rank and the chained hash of the
+chunk's last block, so the same prefix finds the same entries across requests and instances:
+
+    tokens  [ chunk 0: blocks 0..15 | chunk 1: blocks 16..31 | ...]     chunk_size 256, block 16
+    key     "<model>/<world_size>/<rank>/<hex hash of block 15>"         (then block 31, ...)
+
+Chunk data on a rank: [num_layers, 2 (K, V), chunk_size, kv_heads / tp, head_dim].
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvconnect.connector.base import KVConnectorMetadata
+from kvconnect.events import ExternalBlockHash
+
+TIER_KINDS = ("cpu", "disk", "redis")
+TIER_MEDIUMS = {"cpu": "CPU", "disk": "DISK", "redis": "EXTERNAL"}
+
+
+@dataclass(frozen=True)
+class TierConfig:
+    kind: str
+    """"cpu", "disk" or "redis"."""
+    max_bytes: int = 1 << 30
+    """Byte budget (cpu, disk); the least recently used chunks leave first."""
+    path: str = ""
+    """Directory of the disk tier."""
+    url: str = ""
+    """Redis URL: redis://[:password@]host:port/db, or rediss:// for TLS."""
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    chunk_size: int = 256
+    """Tokens per stored chunk; a multiple of the engine's block size."""
+    tiers: tuple[TierConfig, ...] = ()
+    """Lookup order. Stores go to the first local tier (cpu, disk), whose evictions demote to
+    the next local tier, and to every redis tier (shared, write-through)."""
+    max_pending_stores: int = 64
+    """Chunks waiting for the I/O thread; a store that finds the queue full is dropped and
+    counted, so a step never waits for storage."""
+    max_pending_steps: int = 64
+    """Steps an event may wait for the other ranks before it is dropped (see EventQuorum)."""
+
+    @classmethod
+    def from_extra_config(cls, extra: dict[str, Any], block_size: int) -> OffloadConfig:
+        known = {"chunk_size", "tiers", "max_pending_stores", "max_pending_steps"}
+        unknown = sorted(set(extra) - known)
+        if unknown:
+            raise ValueError(
+                f"OffloadConnector: unknown kv_connector_extra_config key(s) {unknown}; valid: "
+                f"{', '.join(sorted(known))}"
+            )
+        chunk = extra.get("chunk_size", 256)
+        if not isinstance(chunk, int) or chunk < block_size or chunk % block_size:
+            raise ValueError(
+                f"OffloadConnector: chunk_size={chunk!r} must be a multiple of the block size "
+                f"{block_size}"
+            )
+        tiers = []
+        for i, raw in enumerate(extra.get("tiers", [])):
+            if not isinstance(raw, dict) or raw.get("kind") not in TIER_KINDS:
+                raise ValueError(
+                    f"OffloadConnector: tiers[{i}]={raw!r}: needs kind in {', '.join(TIER_KINDS)}"
+                )
+            valid = {"kind", "max_bytes", "path", "url"}
+            if set(raw) - valid:
+                raise ValueError(
+                    f"OffloadConnector: tiers[{i}] keys {sorted(set(raw) - valid)}"
+                    f" unknown; valid: {', '.join(sorted(valid))}"
+                )
+            tier = TierConfig(**raw)
+            if tier.kind == "disk" and not tier.path:
+                raise ValueError(f"OffloadConnector: tiers[{i}] (disk) needs a path")
+            if tier.kind == "redis" and not tier.url:
+                raise ValueError(f"OffloadConnector: tiers[{i}] (redis) needs a url")
+            if tier.max_bytes <= 0:
+                raise ValueError(f"OffloadConnector: tiers[{i}] max_bytes must be > 0")
+            tiers.append(tier)
+        if not tiers:
+            raise ValueError("OffloadConnector: kv_connector_extra_config['tiers'] is empty")
+        return cls(
+            chunk,
+            tuple(tiers),
+            extra.get("max_pending_stores", 64),
+            extra.get("max_pending_steps", 64),
+        )
+
+
+def chunk_key(model: str, world_size: int, rank: int, last_block_hash: bytes) -> str:
+    return f"{model}/{world_size}/{rank}/{last_block_hash.hex()}"
+
+
+@dataclass(frozen=True)
+class ChunkInfo:
+    """One chunk of one request: enough to store it, find it and describe it in events."""
+
+    last_block_hash: bytes
+    block_hashes: tuple[ExternalBlockHash, ...]
+    """Wire hashes of the chunk's blocks (what the engine publishes for them)."""
+    parent_block_hash: ExternalBlockHash | None
+    token_ids: tuple[int, ...]
+    block_size: int
+
+
+@dataclass
+class SaveSpec:
+    chunk: ChunkInfo
+    block_ids: list[int]
+    """The engine blocks holding the chunk's tokens this step."""
+
+
+@dataclass
+class LoadSpec:
+    request_id: str
+    chunks: list[ChunkInfo]
+    block_ids: list[list[int]]
+    """Per chunk, the engine blocks to fill."""
+    first_block: list[int]
+    """Per chunk, how many of its leading blocks are already computed (not overwritten)."""
+
+
+@dataclass
+class OffloadMetadata(KVConnectorMetadata):
+    saves: list[SaveSpec] = field(default_factory=list)
+    loads: list[LoadSpec] = field(default_factory=list)
+    reset: bool = False

@@ -1,0 +1,208 @@
+"""Scheduler half of the offload connector: what can be loaded, what to save, the events.
+
+What the instance's own tiers hold is learned from the events the workers report in their
+metadata, after the quorum: a chunk counts as held once every rank announced it (BlockStored)
+in some local tier and none took it back (BlockRemoved). The shared redis tier is asked
+directly, every rank's key of each chunk in one pipelined round trip.
+
+    get_num_new_matched_tokens   whole chunks from the start that are held, up to the last
+                                 prompt token (which must be computed): an async load
+    update_state_after_alloc     the load's target blocks -> a LoadSpec for the workers
+    build_connector_meta         this step's loads, and the chunks whose tokens became
+                                 computed in this step (saves)
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from kvconnect.connector.base import (
+    ConnectorRequest,
+    KVConnectorContext,
+    KVConnectorOutput,
+    SchedulerOutput,
+)
+from kvconnect.connector.events import EventQuorum, KVEventsWorkerMetadata
+from kvconnect.connector.offload.common import (
+    ChunkInfo,
+    LoadSpec,
+    OffloadConfig,
+    OffloadMetadata,
+    SaveSpec,
+    chunk_key,
+)
+from kvconnect.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from kvconnect.hashing import to_wire
+
+logger = logging.getLogger(__name__)
+LOCAL_MEDIUMS = ("CPU", "DISK")
+
+
+@dataclass
+class _Tracked:
+    """A running request whose prompt chunks are saved as they become computed."""
+
+    token_ids: list[int]
+    block_hashes: list[bytes]
+    next_chunk: int = 0
+
+
+class OffloadScheduler:
+    def __init__(self, context: KVConnectorContext, config: OffloadConfig) -> None:
+        self.context = context
+        self.config = config
+        self.quorum = EventQuorum(context.world_size, max_pending_steps=config.max_pending_steps)
+        self.held: dict[int | bytes, set[str]] = {}  # chunk (last block's wire hash) -> media
+        self._redis: Any = None
+        redis_tiers = [t for t in config.tiers if t.kind == "redis"]
+        if redis_tiers:
+            from kvconnect.connector.offload.tiers.redis import connect
+
+            self._redis = connect(redis_tiers[0].url)
+        self._plans: dict[str, tuple[int, int]] = {}  # request -> (first token, num chunks)
+        self._loads: list[LoadSpec] = []
+        self._tracked: dict[str, _Tracked] = {}
+        self._ready: list[KVCacheEvent] = []
+        self._reset = False
+        self.num_redis_errors = 0
+
+    def chunk_info(self, token_ids: list[int], block_hashes: list[bytes], i: int) -> ChunkInfo:
+        per = self.config.chunk_size // self.context.block_size
+        hashes = block_hashes[i * per : (i + 1) * per]
+        parent = to_wire(block_hashes[i * per - 1]) if i else None
+        c = self.config.chunk_size
+        return ChunkInfo(
+            hashes[-1],
+            tuple(to_wire(h) for h in hashes),
+            parent,
+            tuple(token_ids[i * c : (i + 1) * c]),
+            self.context.block_size,
+        )
+
+    # -- loads ---------------------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(
+        self, request: ConnectorRequest, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        c, per = self.config.chunk_size, self.config.chunk_size // self.context.block_size
+        num_tokens = len(request.all_token_ids)
+        max_chunks = min((num_tokens - 1) // c, len(request.block_hashes) // per)
+        if max_chunks * c <= num_computed_tokens:
+            return 0, False
+        last = [request.block_hashes[(i + 1) * per - 1] for i in range(max_chunks)]
+        num = 0
+        while num < max_chunks and self.held.get(to_wire(last[num])):
+            num += 1
+        if num < max_chunks and self._redis is not None:
+            num += self._redis_prefix(last[num:])
+        if num * c <= num_computed_tokens:
+            return 0, False
+        self._plans[request.request_id] = (num_computed_tokens, num)
+        return num * c - num_computed_tokens, True
+
+    def _redis_prefix(self, last_hashes: list[bytes]) -> int:
+        """How many of these chunks, from the first, every rank has in redis."""
+        from redis import RedisError
+
+        from kvconnect.connector.offload.tiers.redis import KEY_PREFIX
+
+        ctx = self.context
+        pipe = self._redis.pipeline(transaction=False)
+        for h in last_hashes:
+            pipe.exists(
+                *[
+                    KEY_PREFIX + chunk_key(ctx.model_name, ctx.world_size, r, h)
+                    for r in range(ctx.world_size)
+                ]
+            )
+        try:
+            counts = pipe.execute()
+        except RedisError as e:
+            self.num_redis_errors += 1
+            logger.warning("offload: redis lookup failed, treating as a miss: %s", e)
+            return 0
+        num = 0
+        while num < len(counts) and counts[num] == ctx.world_size:
+            num += 1
+        return num
+
+    def update_state_after_alloc(
+        self, request: ConnectorRequest, block_ids: list[int], num_external_tokens: int
+    ) -> None:
+        plan = self._plans.pop(request.request_id, None)
+        if plan is None or num_external_tokens == 0:
+            return
+        start, num = plan
+        c, bs = self.config.chunk_size, self.context.block_size
+        per = c // bs
+        spec = LoadSpec(request.request_id, [], [], [])
+        for i in range(start // c, num):
+            spec.chunks.append(
+                self.chunk_info(list(request.all_token_ids), list(request.block_hashes), i)
+            )
+            spec.block_ids.append(list(block_ids[i * per : (i + 1) * per]))
+            spec.first_block.append(max(0, start - i * c) // bs)
+        self._loads.append(spec)
+
+    # -- saves and the step ---------------------------------------------------------------------
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> OffloadMetadata:
+        meta = OffloadMetadata(loads=self._loads, reset=self._reset)
+        self._loads, self._reset = [], False
+        for new in scheduler_output.scheduled_new_reqs:
+            self._tracked[new.request_id] = _Tracked(
+                list(new.all_token_ids), list(new.block_hashes)
+            )
+        c, per = self.config.chunk_size, self.config.chunk_size // self.context.block_size
+        for s in scheduler_output.scheduled:
+            tracked = self._tracked.get(s.request_id)
+            if tracked is None:
+                continue
+            computed = s.start_position + len(s.token_ids)
+            limit = min(computed, len(tracked.block_hashes) * self.context.block_size)
+            while (tracked.next_chunk + 1) * c <= limit:
+                i = tracked.next_chunk
+                info = self.chunk_info(tracked.token_ids, tracked.block_hashes, i)
+                meta.saves.append(SaveSpec(info, list(s.block_ids[i * per : (i + 1) * per])))
+                tracked.next_chunk += 1
+        return meta
+
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        meta = output.kv_connector_worker_meta
+        if meta is not None and not isinstance(meta, KVEventsWorkerMetadata):
+            raise TypeError(f"OffloadConnector got {type(meta).__name__} worker metadata")
+        self.quorum.update(meta)
+        for event in self.quorum.take_events():
+            self._track(event)
+            self._ready.append(event)
+
+    def _track(self, event: KVCacheEvent) -> None:
+        if isinstance(event, AllBlocksCleared):
+            self.held.clear()
+        elif isinstance(event, BlockStored | BlockRemoved) and event.medium in LOCAL_MEDIUMS:
+            chunk = event.block_hashes[-1]
+            media = self.held.setdefault(chunk, set())
+            if isinstance(event, BlockStored):
+                media.add(event.medium)
+            else:
+                media.discard(event.medium)
+                if not media:
+                    del self.held[chunk]
+
+    def take_events(self) -> list[KVCacheEvent]:
+        ready, self._ready = self._ready, []
+        return ready
+
+    def request_finished(self, request: ConnectorRequest) -> None:
+        self._tracked.pop(request.request_id, None)
+        self._plans.pop(request.request_id, None)
+
+    def reset_cache(self) -> bool:
+        self._reset = True
+        return True
+
+    def shutdown(self) -> None:
+        if self._redis is not None:
+            self._redis.close()

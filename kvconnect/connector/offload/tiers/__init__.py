@@ -1,0 +1,1 @@
+"""Storage tiers of the offload connector: cpu, disk, redis."""

@@ -1,0 +1,68 @@
+"""Host-memory tier: a preallocated buffer cut into fixed-size slots, one chunk per slot, LRU."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+
+from kvconnect.connector.offload.common import ChunkInfo
+from kvconnect.connector.offload.tiers.base import Evicted, Tier
+
+
+class CpuTier(Tier):
+    kind, medium = "cpu", "CPU"
+
+    def __init__(self, max_bytes: int, chunk_shape: tuple[int, ...], dtype: torch.dtype) -> None:
+        numel = 1
+        for n in chunk_shape:
+            numel *= n
+        slot_bytes = numel * dtype.itemsize
+        self.num_slots = max_bytes // slot_bytes
+        if self.num_slots < 1:
+            raise ValueError(f"cpu tier: max_bytes={max_bytes} holds no chunk of {slot_bytes} B")
+        self.chunk_shape = chunk_shape
+        # Allocated once; pinned memory is not available on CPU-only torch, so plain pages.
+        self._buffer = torch.empty((self.num_slots, *chunk_shape), dtype=dtype)
+        self._free = list(range(self.num_slots - 1, -1, -1))
+        self._index: OrderedDict[str, tuple[int, ChunkInfo]] = OrderedDict()
+
+    def contains(self, key: str) -> bool:
+        return key in self._index
+
+    def put(self, key: str, info: ChunkInfo, data: torch.Tensor) -> list[Evicted]:
+        if key in self._index:
+            self._index.move_to_end(key)
+            return []
+        evicted = []
+        if not self._free:
+            old_key, (slot, old_info) = self._index.popitem(last=False)
+            evicted.append(Evicted(old_key, old_info, self._buffer[slot].clone()))
+            self._free.append(slot)
+        slot = self._free.pop()
+        self._buffer[slot].copy_(data)
+        self._index[key] = (slot, info)
+        return evicted
+
+    def get(self, key: str) -> torch.Tensor | None:
+        entry = self._index.get(key)
+        if entry is None:
+            return None
+        self._index.move_to_end(key)
+        return self._buffer[entry[0]]
+
+    def remove(self, key: str) -> ChunkInfo | None:
+        entry = self._index.pop(key, None)
+        if entry is None:
+            return None
+        self._free.append(entry[0])
+        return entry[1]
+
+    def clear(self) -> list[tuple[str, ChunkInfo]]:
+        dropped = [(k, info) for k, (_, info) in self._index.items()]
+        for key, _ in dropped:
+            self.remove(key)
+        return dropped
+
+    def entries(self) -> list[tuple[str, ChunkInfo]]:
+        return [(k, info) for k, (_, info) in self._index.items()]

@@ -1,0 +1,307 @@
+"""Worker half of the offload connector: copies chunks out of the paged cache, stores and loads
+them in the tiers on a background I/O thread, and reports every store and eviction as an event.
+
+Per step (worker thread):
+  start_load_kv   queue the step's loads (the I/O thread serves loads before stores)
+  wait_for_save   copy each chunk to save out of the paged cache (so the engine may reuse its
+                  blocks at once) and queue it; a full queue drops the store (counted)
+  get_finished    requests whose loads completed; get_block_ids_with_load_errors: what failed
+  build_connector_worker_meta   the events since the last step, under this rank
+
+I/O thread: a store goes to the first local tier (cpu or disk); what that tier evicts is demoted
+to the next local tier, or dropped; every redis tier gets the chunk too (shared, write-through).
+A load looks in the tiers in order; a hit below the first local tier is promoted into it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvconnect.connector.base import KVConnectorContext, KVConnectorStats
+from kvconnect.connector.events import KVEventsWorkerMetadata
+from kvconnect.connector.offload.common import (
+    ChunkInfo,
+    LoadSpec,
+    OffloadConfig,
+    OffloadMetadata,
+    chunk_key,
+)
+from kvconnect.connector.offload.tiers.base import Evicted, Tier, TierError
+from kvconnect.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+
+logger = logging.getLogger(__name__)
+
+
+def stored_event(info: ChunkInfo, medium: str) -> BlockStored:
+    return BlockStored(
+        list(info.block_hashes),
+        info.parent_block_hash,
+        list(info.token_ids),
+        info.block_size,
+        None,
+        medium,
+        None,
+    )
+
+
+def removed_event(info: ChunkInfo, medium: str) -> BlockRemoved:
+    return BlockRemoved(list(info.block_hashes), medium)
+
+
+class OffloadWorker:
+    def __init__(self, context: KVConnectorContext, config: OffloadConfig) -> None:
+        self.context = context
+        self.config = config
+        self.rank = context.rank
+        self.tiers: list[Tier] = []
+        self._layers: list[torch.Tensor] = []
+        self._lock = threading.Lock()  # guards the fields the I/O thread shares with the step
+        self._events: list[KVCacheEvent] = []
+        self._finished_loads: set[str] = set()
+        self._load_errors: set[int] = set()
+        self._stats: dict[str, int] = {}
+        self._cond = threading.Condition(self._lock)
+        self._loads: deque[LoadSpec] = deque()
+        self._stores: deque[tuple[str, ChunkInfo, torch.Tensor]] = deque()
+        self._written_shared: set[str] = set()  # keys this rank put in shared tiers
+        self._resets = 0
+        self._busy = False
+        self._stop = False
+        self._thread: threading.Thread | None = None
+
+    # -- setup ------------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
+        from kvconnect.connector.offload.tiers.cpu import CpuTier
+        from kvconnect.connector.offload.tiers.disk import DiskTier
+        from kvconnect.connector.offload.tiers.redis import RedisTier
+
+        self._layers = list(kv_caches.values())
+        first = self._layers[0]  # [2, num_blocks, block_size, kv_heads, head_dim]
+        chunk_shape = (len(self._layers), 2, self.config.chunk_size, *first.shape[3:])
+        ctx = self.context
+        for t in self.config.tiers:
+            if t.kind == "cpu":
+                self.tiers.append(CpuTier(t.max_bytes, chunk_shape, first.dtype))
+            elif t.kind == "disk":
+                # One directory per rank: a rank owns and announces only its own files.
+                root = Path(t.path) / f"tp{ctx.world_size}-rank{self.rank}"
+                self.tiers.append(DiskTier(str(root), t.max_bytes))
+            else:
+                self.tiers.append(RedisTier(t.url))
+        for tier in self.tiers:
+            for _, info in tier.entries():  # found again after a restart
+                self._events.append(stored_event(info, tier.medium))
+        self._thread = threading.Thread(target=self._io_loop, name="kv-offload-io", daemon=True)
+        self._thread.start()
+
+    def _key(self, info: ChunkInfo) -> str:
+        ctx = self.context
+        return chunk_key(ctx.model_name, ctx.world_size, self.rank, info.last_block_hash)
+
+    # -- step ---------------------------------------------------------------------------------
+
+    def start_load_kv(self, meta: OffloadMetadata) -> None:
+        with self._cond:
+            if meta.reset:
+                self._resets += 1
+            self._loads.extend(meta.loads)
+            self._cond.notify()
+
+    def wait_for_save(self, meta: OffloadMetadata) -> None:
+        bs = self.context.block_size
+        for save in meta.saves:
+            key = self._key(save.chunk)
+            if any(t.contains(key) for t in self.tiers if not t.shared) or (
+                self._only_shared() and key in self._written_shared
+            ):
+                continue
+            ids = torch.tensor(save.block_ids, dtype=torch.long)
+            # [layers, 2, blocks, block_size, heads, dim] -> [layers, 2, chunk, heads, dim]
+            data = torch.stack([layer[:, ids] for layer in self._layers])
+            data = data.reshape(data.shape[0], 2, len(save.block_ids) * bs, *data.shape[4:])
+            with self._cond:
+                if len(self._stores) >= self.config.max_pending_stores:
+                    self._count("num_stores_dropped")
+                    continue
+                self._stores.append((key, save.chunk, data))
+                self._cond.notify()
+
+    def _only_shared(self) -> bool:
+        return all(t.shared for t in self.tiers)
+
+    def get_finished(self) -> set[str] | None:
+        with self._lock:
+            done, self._finished_loads = self._finished_loads, set()
+        return done or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        with self._lock:
+            errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def build_connector_worker_meta(self) -> KVEventsWorkerMetadata | None:
+        with self._lock:
+            events, self._events = self._events, []
+        return KVEventsWorkerMetadata.from_rank(self.rank, events) if events else None
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        with self._lock:
+            stats, self._stats = self._stats, {}
+        return KVConnectorStats(stats) if stats else None
+
+    def _count(self, name: str, n: int = 1) -> None:
+        self._stats[name] = self._stats.get(name, 0) + n
+
+    def drain(self, timeout: float = 10.0) -> bool:
+        """Wait until the I/O thread is idle (tests and shutdown)."""
+        with self._cond:
+            return self._cond.wait_for(
+                lambda: not (self._loads or self._stores or self._busy or self._resets), timeout
+            )
+
+    def shutdown(self) -> None:
+        self.drain(timeout=5.0)
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=5.0)
+        for tier in self.tiers:
+            tier.close()
+
+    # -- I/O thread ---------------------------------------------------------------------------
+
+    def _io_loop(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(
+                    lambda: self._stop or self._loads or self._stores or self._resets
+                )
+                if self._stop:
+                    return
+                self._busy = True
+                job: Any
+                if self._resets:
+                    self._resets -= 1
+                    job = "reset"
+                elif self._loads:
+                    job = self._loads.popleft()
+                else:
+                    job = self._stores.popleft()
+            try:
+                if job == "reset":
+                    self._reset()
+                elif isinstance(job, LoadSpec):
+                    self._load(job)
+                else:
+                    self._store(*job)
+            except Exception:  # the thread must survive anything a tier does
+                logger.exception("offload I/O job failed")
+                with self._lock:
+                    self._count("num_errors")
+                    if isinstance(job, LoadSpec):
+                        self._finished_loads.add(job.request_id)
+                        self._load_errors.update(b for ids in job.block_ids for b in ids)
+            finally:
+                with self._cond:
+                    self._busy = False
+                    self._cond.notify_all()
+
+    def _emit(self, *events: KVCacheEvent) -> None:
+        with self._lock:
+            self._events.extend(events)
+
+    def _store(self, key: str, info: ChunkInfo, data: torch.Tensor) -> None:
+        local = [i for i, t in enumerate(self.tiers) if not t.shared]
+        if local:
+            self._put(local[0], key, info, data)
+        for i, tier in enumerate(self.tiers):
+            if tier.shared:
+                self._put(i, key, info, data)
+        with self._lock:
+            self._count("num_chunks_stored")
+
+    def _put(self, index: int, key: str, info: ChunkInfo, data: torch.Tensor) -> None:
+        """Put into tier `index`, demoting what it evicts to the next local tier."""
+        tier = self.tiers[index]
+        if tier.contains(key) and not tier.shared:
+            return
+        try:
+            evicted = tier.put(key, info, data)
+        except TierError as e:
+            logger.warning("offload: %s", e)
+            with self._lock:
+                self._count(f"num_{tier.kind}_errors")
+            return
+        self._emit(stored_event(info, tier.medium))
+        if tier.shared:
+            with self._lock:
+                self._written_shared.add(key)
+        self._evicted(index, evicted)
+
+    def _evicted(self, index: int, evicted: list[Evicted]) -> None:
+        tier = self.tiers[index]
+        below = next(
+            (j for j in range(index + 1, len(self.tiers)) if not self.tiers[j].shared), None
+        )
+        for ev in evicted:
+            self._emit(removed_event(ev.info, tier.medium))
+            with self._lock:
+                self._count(f"num_{tier.kind}_evictions")
+            if below is not None and ev.data is not None:
+                self._put(below, ev.key, ev.info, ev.data)
+
+    def _load(self, spec: LoadSpec) -> None:
+        bs = self.context.block_size
+        failed: set[int] = set()
+        for info, block_ids, first in zip(
+            spec.chunks, spec.block_ids, spec.first_block, strict=True
+        ):
+            data = self._fetch(self._key(info), info)
+            if data is None:
+                failed.update(block_ids[first:])
+                continue
+            ids = torch.tensor(block_ids[first:], dtype=torch.long)
+            part = data[:, :, first * bs :]
+            part = part.reshape(part.shape[0], 2, len(ids), bs, *part.shape[3:])
+            for layer, chunk in zip(self._layers, part, strict=True):
+                layer[:, ids] = chunk
+        with self._lock:
+            self._count("num_chunks_loaded", len(spec.chunks))
+            if failed:
+                self._count("num_load_errors")
+                self._load_errors |= failed
+            self._finished_loads.add(spec.request_id)
+
+    def _fetch(self, key: str, info: ChunkInfo) -> torch.Tensor | None:
+        local = [i for i, t in enumerate(self.tiers) if not t.shared]
+        for i, tier in enumerate(self.tiers):
+            try:
+                data = tier.get(key)
+            except TierError as e:
+                logger.warning("offload: %s", e)
+                with self._lock:
+                    self._count(f"num_{tier.kind}_errors")
+                if not tier.shared:  # the bad entry is gone from the tier
+                    self._emit(removed_event(info, tier.medium))
+                continue
+            if data is None:
+                continue
+            if local and i != local[0]:  # a hit further down moves up
+                self._put(local[0], key, info, data.clone())
+            return data
+        logger.warning("offload: chunk %s found in no tier", key)
+        return None
+
+    def _reset(self) -> None:
+        for tier in self.tiers:
+            tier.clear()
+        self._emit(AllBlocksCleared())
