@@ -1,0 +1,188 @@
+"""The offload connector's two halves driven in-process in vLLM's step order, with real tiers
+and real KV tensors; two TP ranks share nothing but the metadata that crosses the boundary."""
+
+import random
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvconnect.config import KVTransferConfig
+from kvconnect.connector import (
+    KVConnectorContext,
+    KVConnectorFactory,
+    KVConnectorOutput,
+    KVConnectorRole,
+    KVOutputAggregator,
+)
+from kvconnect.connector.offload.connector import OffloadConnector
+from kvconnect.engine.scheduler import ScheduledRequest
+from kvconnect.events import BlockRemoved, BlockStored
+from kvconnect.hashing import block_hashes
+from tests.connector.helpers import FakeNewRequest, FakeSchedulerOutput, roundtrip
+from tests.engine.test_scheduler import BS
+
+CHUNK = 8  # two blocks of 4
+
+
+class Loop:
+    def __init__(self, tiers: list[dict[str, Any]], world_size: int = 2) -> None:
+        cfg = KVTransferConfig(
+            kv_connector="OffloadConnector",
+            kv_role="kv_both",
+            kv_connector_extra_config={"chunk_size": CHUNK, "tiers": tiers},
+        )
+
+        def make(rank: int, role: KVConnectorRole) -> OffloadConnector:
+            ctx = KVConnectorContext(
+                cfg, world_size=world_size, rank=rank, block_size=BS, model_name="m"
+            )
+            c = KVConnectorFactory.create_connector(ctx, role)
+            assert isinstance(c, OffloadConnector)
+            return c
+
+        self.sched = make(0, KVConnectorRole.SCHEDULER)
+        self.workers = [make(r, KVConnectorRole.WORKER) for r in range(world_size)]
+        gen = torch.Generator().manual_seed(0)
+        self.caches = [
+            {f"layer{i}": torch.randn(2, 64, BS, 2, 4, generator=gen) for i in range(2)}
+            for _ in range(world_size)
+        ]
+        for w, caches in zip(self.workers, self.caches, strict=True):
+            w.register_kv_caches(caches)
+        self.aggregator = KVOutputAggregator(world_size)
+        self.events: list[Any] = []
+        self.next_block = 0
+        self.finished_recving: set[str] = set()
+        self.invalid: set[int] = set()
+
+    def blocks(self, n: int) -> list[int]:
+        ids = [(self.next_block + i) % 64 for i in range(n)]
+        self.next_block += n
+        return ids
+
+    def step(self, new: list[tuple[str, list[int], list[int]]] = ()) -> None:  # type: ignore[assignment]
+        out = FakeSchedulerOutput()
+        for rid, tokens, ids in new:
+            hashes = block_hashes(tokens, BS)
+            out.scheduled_new_reqs.append(FakeNewRequest(rid, tokens, hashes, ids))
+            out.scheduled.append(ScheduledRequest(rid, tokens, 0, ids, True, 0.0, 0, 0))
+        meta = self.sched.build_connector_meta(out)
+        outputs: list[KVConnectorOutput | None] = []
+        for w in self.workers:
+            w.bind_connector_metadata(roundtrip(meta))
+            w.start_load_kv()
+            w.wait_for_save()
+            assert w.worker is not None
+            w.worker.drain()
+            _, recving = w.get_finished(set())
+            outputs.append(
+                roundtrip(
+                    KVConnectorOutput(
+                        finished_recving=recving,
+                        invalid_block_ids=w.get_block_ids_with_load_errors(),
+                        kv_connector_worker_meta=w.build_connector_worker_meta(),
+                    )
+                )
+            )
+            w.clear_connector_metadata()
+        agg = self.aggregator.aggregate(outputs)
+        self.finished_recving |= agg.finished_recving or set()
+        self.invalid |= agg.invalid_block_ids
+        self.sched.update_connector_output(agg)
+        self.events += self.sched.take_events()
+
+    def shutdown(self) -> None:
+        for w in self.workers:
+            w.shutdown()
+
+
+class Req:
+    def __init__(self, rid: str, tokens: list[int]) -> None:
+        self.request_id, self.all_token_ids = rid, tokens
+        self.block_hashes = block_hashes(tokens, BS)
+        self.kv_transfer_params = None
+
+
+def held_by_events(events: list[Any]) -> dict[str, Counter[int | bytes]]:
+    media: dict[str, Counter[int | bytes]] = {}
+    for ev in events:
+        if isinstance(ev, BlockStored):
+            media.setdefault(ev.medium or "", Counter())[ev.block_hashes[-1]] += 1
+            assert len(ev.token_ids) == CHUNK and ev.block_size == BS
+        elif isinstance(ev, BlockRemoved):
+            media.setdefault(ev.medium or "", Counter())[ev.block_hashes[-1]] -= 1
+    return {m: +c for m, c in media.items()}
+
+
+def test_events_equal_each_tiers_contents_after_a_random_workload(tmp_path: Path) -> None:
+    loop = Loop(
+        [
+            {"kind": "cpu", "max_bytes": 3 * 2 * 2 * CHUNK * 2 * 4 * 4},
+            {"kind": "disk", "path": str(tmp_path), "max_bytes": 9000},
+        ]
+    )
+    rng = random.Random(2)
+    prefixes = [[rng.randrange(256) for _ in range(CHUNK)] for _ in range(4)]
+    try:
+        for i in range(40):
+            tokens = rng.choice(prefixes) + [
+                rng.randrange(256) for _ in range(rng.choice([0, 8, 17]))
+            ]
+            loop.step([(f"r{i}", tokens, loop.blocks(-(-len(tokens) // BS)))])
+        loop.step()
+        held = held_by_events(loop.events)
+        assert held.get("DISK"), "the workload should have demoted chunks to disk"
+        assert any(isinstance(e, BlockRemoved) and e.medium == "DISK" for e in loop.events)
+        for w in loop.workers:
+            assert w.worker is not None
+            for tier in w.worker.tiers:
+                actual = Counter(info.block_hashes[-1] for _, info in tier.entries())
+                assert actual == held.get(tier.medium, Counter()), tier.medium
+        assert loop.sched.scheduler is not None
+        quorum = loop.sched.scheduler.quorum
+        assert quorum.num_pending == 0 and quorum.num_expired == 0
+        quorum.check_integrity()
+    finally:
+        loop.shutdown()
+
+
+def test_load_writes_the_saved_kv_back_into_new_blocks(tmp_path: Path) -> None:
+    loop = Loop([{"kind": "disk", "path": str(tmp_path), "max_bytes": 1 << 20}])
+    tokens = list(range(40, 61))  # 21 tokens: chunks 0 and 1 (16 tokens), 5 tokens left
+    try:
+        src = loop.blocks(6)
+        loop.step([("a", tokens, src)])
+        loop.step()
+        req = Req("b", tokens)
+        assert loop.sched.get_num_new_matched_tokens(req, 4) == (12, True)  # 1 block on GPU
+        dst = loop.blocks(6)
+        loop.sched.update_state_after_alloc(req, dst, 12)
+        loop.step()
+        assert loop.finished_recving == {"b"} and loop.invalid == set()
+        for caches in loop.caches:
+            for layer in caches.values():
+                assert torch.equal(layer[:, dst[1:4]], layer[:, src[1:4]])  # loaded blocks
+                assert not torch.equal(layer[:, dst[0]], layer[:, src[0]])  # left alone
+    finally:
+        loop.shutdown()
+
+
+def test_a_chunk_missing_on_one_rank_is_a_load_error(tmp_path: Path) -> None:
+    loop = Loop([{"kind": "cpu", "max_bytes": 1 << 20}])
+    tokens = list(range(9))
+    try:
+        ids = loop.blocks(3)
+        loop.step([("a", tokens, ids)])
+        loop.step()
+        assert loop.workers[1].worker is not None
+        loop.workers[1].worker.tiers[0].clear()  # rank 1 lost it behind the scheduler's back
+        req = Req("b", tokens)
+        assert loop.sched.get_num_new_matched_tokens(req, 0) == (8, True)
+        dst = loop.blocks(3)
+        loop.sched.update_state_after_alloc(req, dst, 8)
+        loop.step()
+        assert loop.finished_recving == {"b"} and loop.invalid == set(dst[:2])
+    finally:
+        loop.shutdown()

@@ -1,0 +1,127 @@
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvconnect.connector.offload.common import ChunkInfo, OffloadConfig
+from kvconnect.connector.offload.tiers.base import TierError, pack, unpack
+from kvconnect.connector.offload.tiers.cpu import CpuTier
+from kvconnect.connector.offload.tiers.disk import DiskTier
+from kvconnect.connector.offload.tiers.redis import RedisTier, redact
+from tests.conftest import RedisServer
+
+SHAPE = (2, 2, 8, 2, 4)
+
+
+def chunk(i: int) -> tuple[str, ChunkInfo, torch.Tensor]:
+    info = ChunkInfo(bytes([i]) * 32, (i * 10, i * 10 + 1), None if i == 0 else i, (i,) * 8, 4)
+    return f"m/1/0/{i:02x}", info, torch.full(SHAPE, float(i))
+
+
+def test_cpu_tier_slots_lru_and_demotion_data() -> None:
+    tier = CpuTier(3 * 2 * 2 * 8 * 2 * 4 * 4, SHAPE, torch.float32)  # exactly 3 slots
+    assert tier.num_slots == 3
+    for i in range(3):
+        assert tier.put(*chunk(i)) == []
+    assert tier.get(chunk(0)[0]) is not None  # 0 is now the most recent
+    evicted = tier.put(*chunk(3))
+    assert [e.key for e in evicted] == [chunk(1)[0]]
+    assert evicted[0].data is not None and torch.equal(evicted[0].data, chunk(1)[2])
+    assert torch.equal(tier.get(chunk(3)[0]), chunk(3)[2])  # type: ignore[arg-type]
+    assert tier.remove(chunk(3)[0]) == chunk(3)[1] and not tier.contains(chunk(3)[0])
+    assert {k for k, _ in tier.clear()} == {chunk(0)[0], chunk(2)[0]}
+    with pytest.raises(ValueError, match="holds no chunk"):
+        CpuTier(10, SHAPE, torch.float32)
+
+
+def test_pack_unpack_round_trip_and_checks() -> None:
+    key, info, data = chunk(5)
+    blob = b"".join(pack(key, info, data))
+    got_info, got = unpack(blob, key)
+    assert got_info == info and torch.equal(got, data)
+    with pytest.raises(TierError, match="holds"):
+        unpack(blob, "other")
+    bad = bytearray(blob)
+    bad[-1] ^= 0xFF
+    with pytest.raises(TierError, match="checksum"):
+        unpack(bytes(bad), key)
+    with pytest.raises(TierError, match="header"):
+        unpack(b"\x00\x00\x00\x05junk!", key)
+
+
+def test_disk_tier_budget_restart_and_corruption(tmp_path: Path) -> None:
+    size = sum(len(p) for p in pack(*chunk(0)))
+    tier = DiskTier(str(tmp_path), max_bytes=2 * size + 10)
+    tier.put(*chunk(0))
+    tier.put(*chunk(1))
+    evicted = tier.put(*chunk(2))
+    assert [e.key for e in evicted] == [chunk(0)[0]]
+    assert len(list(tmp_path.glob("*.kvchunk"))) == 2 and not list(tmp_path.glob("*.tmp"))
+    # A restart finds the entries again, in LRU order.
+    again = DiskTier(str(tmp_path), max_bytes=2 * size + 10)
+    assert {k for k, _ in again.entries()} == {chunk(1)[0], chunk(2)[0]}
+    assert torch.equal(again.get(chunk(2)[0]), chunk(2)[2])  # type: ignore[arg-type]
+    # A corrupted file is detected, deleted and reported.
+    path = again._path(chunk(1)[0])
+    raw = bytearray(path.read_bytes())
+    raw[-3] ^= 0x55
+    path.write_bytes(bytes(raw))
+    with pytest.raises(TierError, match="checksum"):
+        again.get(chunk(1)[0])
+    assert not again.contains(chunk(1)[0]) and not path.exists() and again.num_corrupt == 1
+    # A chunk larger than the whole budget is refused, not half written.
+    small = DiskTier(str(tmp_path / "small"), max_bytes=size - 1)
+    with pytest.raises(TierError, match="exceeds max_bytes"):
+        small.put(*chunk(3))
+
+
+def test_disk_keys_never_become_paths_outside_the_root(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    tier = DiskTier(str(root), max_bytes=1 << 20)
+    _, info, data = chunk(1)
+    for key in ("../../escape", "/etc/passwd", "a/../../b", "..\\..\\x"):
+        tier.put(key, info, data)
+        assert tier._path(key).parent == root.resolve()
+    assert [p.name for p in tmp_path.iterdir()] == ["root"]
+    assert all(p.parent == root for p in root.rglob("*"))
+
+
+def test_disk_tier_drops_garbage_files_on_start(tmp_path: Path) -> None:
+    (tmp_path / "junk.kvchunk").write_bytes(b"not a chunk")
+    tier = DiskTier(str(tmp_path), max_bytes=1 << 20)
+    assert tier.entries() == [] and tier.num_corrupt == 1
+    assert not (tmp_path / "junk.kvchunk").exists()
+
+
+def test_redis_tier(fresh_redis: RedisServer) -> None:
+    tier = RedisTier(fresh_redis.url)
+    key, info, data = chunk(7)
+    assert tier.get(key) is None and not tier.contains(key)
+    assert tier.put(key, info, data) == []
+    assert tier.contains(key) and torch.equal(tier.get(key), data)  # type: ignore[arg-type]
+    tier.close()
+
+
+def test_redis_tier_down_is_an_error_not_a_hang() -> None:
+    tier = RedisTier("redis://:secret@127.0.0.1:1/0")
+    with pytest.raises(TierError, match="failed"):
+        tier.get("k")
+    assert tier.contains("k") is False and tier.num_errors == 2
+    assert "secret" not in tier.url and redact("redis://u:p@h:1/0") == "redis://h:1/0"
+
+
+@pytest.mark.parametrize(
+    ("extra", "match"),
+    [
+        ({"tiers": []}, "empty"),
+        ({"chunk_size": 24, "tiers": [{"kind": "cpu"}]}, "multiple of the block size 16"),
+        ({"tiers": [{"kind": "tape"}]}, "kind in cpu, disk, redis"),
+        ({"tiers": [{"kind": "disk"}]}, "needs a path"),
+        ({"tiers": [{"kind": "redis"}]}, "needs a url"),
+        ({"tiers": [{"kind": "cpu", "size": 1}]}, "unknown"),
+        ({"tiers": [{"kind": "cpu"}], "chunks": 1}, "unknown kv_connector_extra_config"),
+    ],
+)
+def test_config_errors_name_the_problem(extra: dict[str, object], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        OffloadConfig.from_extra_config(extra, block_size=16)
