@@ -96,7 +96,8 @@ def pack(key: str, info: ChunkInfo, data: torch.Tensor) -> list[bytes | memoryvi
 def unpack(
     blob: bytes | bytearray | memoryview, expected_key: str
 ) -> tuple[ChunkInfo, torch.Tensor]:
-    """The chunk in `blob`; `TierError` if it is truncated, corrupt or another key's."""
+    """The chunk in `blob`; `TierError` if it is truncated, corrupt or another key's. A
+    bytearray is used in place (the tensor shares its memory), saving a copy per load."""
     view = memoryview(blob)
     try:
         n = int.from_bytes(view[:4], "big")
@@ -110,7 +111,11 @@ def unpack(
         raise TierError(f"chunk {expected_key}: checksum mismatch")
     dtype = getattr(torch, h.dtype)
     array = np.frombuffer(payload, dtype=np.uint8)
-    data = torch.from_numpy(array.copy()).view(dtype).reshape(h.shape)
+    if array.flags.writeable:  # a bytearray we own: use it in place
+        raw = torch.from_numpy(array)
+    else:  # immutable bytes (redis): one copy
+        raw = torch.from_numpy(array.copy())
+    data = raw.view(dtype).reshape(h.shape)
     info = ChunkInfo(
         h.last_block_hash,
         tuple(h.block_hashes),

@@ -97,7 +97,10 @@ class DiskTier(Tier):
         if key not in self._index:
             return None
         try:
-            blob = self._path(key).read_bytes()
+            path = self._path(key)
+            blob = bytearray(path.stat().st_size)
+            with open(path, "rb") as f:
+                f.readinto(blob)
             _, data = unpack(blob, key)
         except (TierError, OSError) as e:
             self.num_corrupt += 1
