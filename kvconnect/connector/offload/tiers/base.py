@@ -111,10 +111,8 @@ def unpack(
         raise TierError(f"chunk {expected_key}: checksum mismatch")
     dtype = getattr(torch, h.dtype)
     array = np.frombuffer(payload, dtype=np.uint8)
-    if array.flags.writeable:  # a bytearray we own: use it in place
-        raw = torch.from_numpy(array)
-    else:  # immutable bytes (redis): one copy
-        raw = torch.from_numpy(array.copy())
+    # A bytearray we own is used in place; immutable bytes (redis) cost one copy.
+    raw = torch.from_numpy(array if array.flags.writeable else array.copy())
     data = raw.view(dtype).reshape(h.shape)
     info = ChunkInfo(
         h.last_block_hash,
