@@ -186,3 +186,31 @@ def test_a_chunk_missing_on_one_rank_is_a_load_error(tmp_path: Path) -> None:
         assert loop.finished_recving == {"b"} and loop.invalid == set(dst[:2])
     finally:
         loop.shutdown()
+
+
+def test_a_disk_hit_is_promoted_back_into_the_cpu_tier(tmp_path: Path) -> None:
+    one_chunk = 2 * 2 * CHUNK * 2 * 4 * 4  # layers * K/V * tokens * heads * dim * 4 bytes
+    loop = Loop(
+        [
+            {"kind": "cpu", "max_bytes": one_chunk},
+            {"kind": "disk", "path": str(tmp_path), "max_bytes": 1 << 20},
+        ],
+        world_size=1,
+    )
+    a, b = list(range(9)), list(range(100, 109))
+    try:
+        loop.step([("a", a, loop.blocks(3))])
+        loop.step([("b", b, loop.blocks(3))])  # a's chunk is demoted to disk
+        loop.step()
+        loop.events.clear()
+        req = Req("a2", a)
+        assert loop.sched.get_num_new_matched_tokens(req, 0) == (8, True)
+        loop.sched.update_state_after_alloc(req, loop.blocks(3), 8)
+        loop.step()
+        loop.step()
+        a_chunk = block_hashes(a, BS)[1]
+        moved = [(type(e).__name__, e.medium) for e in loop.events]
+        assert moved == [("BlockStored", "CPU"), ("BlockRemoved", "CPU"), ("BlockStored", "DISK")]
+        assert loop.events[0].block_hashes[-1] == int.from_bytes(a_chunk[-8:], "big")
+    finally:
+        loop.shutdown()
