@@ -226,6 +226,42 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--repeat", type=int, default=1, help="run the batch this many times")
     g.add_argument("--kv-events-config", default=None, help="vLLM's KVEventsConfig JSON")
     g.add_argument("--kv-transfer-config", default=None, help="vLLM's KVTransferConfig JSON")
+
+    s = commands.add_parser("serve", help="one engine instance behind an OpenAI-style HTTP API")
+    s.add_argument("--model", default="tiny")
+    s.add_argument("--tp", "--tensor-parallel-size", type=int, default=1, dest="tp")
+    s.add_argument("--host", default="127.0.0.1", help="bind address (loopback by default)")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--block-size", type=int, default=16)
+    s.add_argument("--num-kv-blocks", type=int, default=1024)
+    s.add_argument("--hash-seed", default=None)
+    s.add_argument("--kv-events-config", default=None, help="vLLM's KVEventsConfig JSON")
+    s.add_argument("--kv-transfer-config", default=None, help="vLLM's KVTransferConfig JSON")
+
+    r = commands.add_parser("router", help="KV-aware HTTP front of several instances")
+    r.add_argument(
+        "--instance",
+        action="append",
+        required=True,
+        help="URL,EVENTS_ENDPOINT[,REPLAY_ENDPOINT]; repeat per instance",
+    )
+    r.add_argument("--host", default="127.0.0.1")
+    r.add_argument("--port", type=int, default=9000)
+    r.add_argument("--model", default="tiny", help="whose tokenizer to use")
+    r.add_argument("--block-size", type=int, default=16)
+    r.add_argument("--hash-algorithm", default="sha256_cbor")
+    r.add_argument("--hash-seed", default=None)
+    r.add_argument("--load-weight", type=float, default=4.0)
+    r.add_argument("--max-index-entries", type=int, default=1_000_000)
+
+    c = commands.add_parser("cluster", help="N instances + router (+ redis) on loopback")
+    c.add_argument("--instances", type=int, default=2)
+    c.add_argument("--tp", type=int, default=1)
+    c.add_argument("--base-port", type=int, default=9000, help="router; instances above it")
+    c.add_argument("--event-port", type=int, default=5600)
+    c.add_argument("--redis", action="store_true", help="start a shared Redis tier")
+    c.add_argument("--demo-rounds", type=int, default=3, help="demo requests per tenant")
+    c.add_argument("--exit-after-demo", action="store_true")
     return parser
 
 
@@ -249,6 +285,43 @@ def main(argv: Sequence[str] | None = None) -> int:
         from kvconnect.generate import run_generate  # imports torch: only when asked for
 
         return run_generate(args, sys.stdout)
+    if args.command == "serve":
+        from kvconnect.engine.llm import LLM
+        from kvconnect.server import serve
+
+        llm = LLM(
+            args.model,
+            tensor_parallel_size=args.tp,
+            block_size=args.block_size,
+            num_kv_blocks=args.num_kv_blocks,
+            hash_seed=args.hash_seed,
+            kv_transfer_config=args.kv_transfer_config,
+            kv_events_config=args.kv_events_config,
+        )
+        serve(llm, args.host, args.port, args.model)
+        return 0
+    if args.command == "router":
+        from kvconnect.router.index import BlockIndex
+        from kvconnect.router.server import Instance, Router, load_tokenizer, run_router
+
+        try:
+            instances = [Instance.parse(spec) for spec in args.instance]
+        except ValueError as e:
+            print(f"kvconnect router: {e}", file=sys.stderr)
+            return 2
+        index = BlockIndex(
+            args.block_size,
+            hash_algorithm=args.hash_algorithm,
+            hash_seed=args.hash_seed,
+            max_entries=args.max_index_entries,
+        )
+        router = Router(instances, index, load_tokenizer(args.model), args.load_weight)
+        run_router(router, args.host, args.port)
+        return 0
+    if args.command == "cluster":
+        from kvconnect.cluster import run_cluster
+
+        return run_cluster(args, sys.stdout)
     run_demo(args.port, args.batches, sys.stdout)
     return 0
 

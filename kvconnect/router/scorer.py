@@ -1,0 +1,49 @@
+"""Choosing an instance for a request: cached prefix against load.
+
+    cost(i) = (prefix_blocks - weighted_hits(i)) + load_weight * in_flight(i)
+
+`weighted_hits(i)` is the longest run of consecutive prefix blocks instance i can serve, each
+weighted by its best tier (GPU 1.0, CPU 0.8, DISK 0.5, EXTERNAL 0.3 by default): roughly the
+prefill blocks it saves. `load_weight` is how many blocks of prefill one request already in
+flight is worth (default 4). The lowest cost wins; ties go to the less loaded instance, then to
+the one chosen least often so far (cold traffic spreads), then to the earlier one in the list.
+With nothing cached anywhere this is least-loaded routing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from kvconnect.router.index import InstanceId, PrefixScore
+
+
+@dataclass(frozen=True)
+class Decision:
+    instance: InstanceId
+    cost: float
+    score: PrefixScore
+
+
+def choose(
+    candidates: Sequence[InstanceId],
+    scores: Mapping[InstanceId, PrefixScore],
+    loads: Mapping[InstanceId, int],
+    num_blocks: int,
+    load_weight: float = 4.0,
+    num_chosen: Mapping[InstanceId, int] | None = None,
+) -> Decision:
+    """The cheapest of `candidates` (non-empty) for a request of `num_blocks` full blocks."""
+    if not candidates:
+        raise ValueError("no instance to route to")
+    best: tuple[float, int, int, int] | None = None
+    decision: Decision | None = None
+    for order, iid in enumerate(candidates):
+        score = scores.get(iid) or PrefixScore()
+        load = loads.get(iid, 0)
+        cost = (num_blocks - score.weighted) + load_weight * load
+        key = (round(cost, 9), load, (num_chosen or {}).get(iid, 0), order)
+        if best is None or key < best:
+            best, decision = key, Decision(iid, cost, score)
+    assert decision is not None
+    return decision
