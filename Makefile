@@ -12,14 +12,10 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e '.[dev]'
 	touch $(STAMP)
 
-# The tiny model (random weights, byte tokenizer) at TP=2, KV events on loopback; the same
-# prompts twice, so the second run hits the prefix cache. Ends with what was published.
-RUN_EVENTS := {"enable_kv_cache_events": true, "endpoint": "tcp://127.0.0.1:5557", "replay_endpoint": "tcp://127.0.0.1:5558", "topic": "kvconnect"}
+# Two engine instances (tiny model, CPU offload tier, KV events on loopback) behind the
+# KV-aware router on :9000; a short two-tenant demo goes through it, then it serves until Ctrl-C.
 run: $(STAMP)
-	$(BIN)/kvconnect generate --model tiny --tp 2 --repeat 2 --max-tokens 16 \
-		--kv-events-config '$(RUN_EVENTS)' \
-		--prompt "You are a helpful assistant. Answer briefly. What is a KV cache?" \
-		--prompt "You are a helpful assistant. Answer briefly. Why route by prefix?"
+	$(BIN)/kvconnect cluster --instances 2
 
 lint: $(STAMP)
 	$(BIN)/ruff check $(SRC)

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from typing import Any
@@ -185,3 +186,30 @@ def test_router_survives_an_instance_killed_and_restarted(
 def test_router_imports_no_torch() -> None:
     code = "import sys, kvconnect.router.server; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_engine_server_health_metrics_and_bad_requests(
+    cluster: tuple[list[Engine], Router, str],
+) -> None:
+    engines, _, url = cluster
+    engine = next(e for e in engines if e.proc is not None and e.proc.poll() is None)
+    with urllib.request.urlopen(engine.url + "/health") as resp:
+        assert json.load(resp) == {"status": "ok"}
+    with urllib.request.urlopen(engine.url + "/metrics") as resp:
+        text = resp.read().decode()
+    for name in (
+        "kvconnect_requests_total",
+        "kvconnect_kv_event_batches_published_total",
+        "kvconnect_kv_event_batches_dropped_total",
+        'kvconnect_prefix_cache_hit_tokens_total{tier="GPU"}',
+    ):
+        assert name in text
+    for bad in ({"max_tokens": 2}, {"prompt": "x", "max_tokens": 0}, {"prompt": [999]}):
+        req = urllib.request.Request(engine.url + "/v1/completions", data=json.dumps(bad).encode())
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(req, timeout=30)
+        assert e.value.code == 400
+    req = urllib.request.Request(url + "/v1/completions", data=b"not json")
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req, timeout=30)
+    assert e.value.code == 400
