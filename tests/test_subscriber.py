@@ -143,6 +143,19 @@ def test_start_seq_zero_catches_up_the_slow_joiner_gap() -> None:
         pub.shutdown()
 
 
+def rebind(ep: str, rp: str) -> ZmqEventPublisher:
+    """A new publisher on the addresses of one just shut down in this process: libzmq releases
+    a closed socket's port asynchronously, so retry briefly (a restarted process has no race)."""
+    deadline = time.monotonic() + 5
+    while True:
+        try:
+            return ZmqEventPublisher(endpoint=ep, replay_endpoint=rp)
+        except RuntimeError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
 def test_publisher_restart_is_reported_then_new_stream_read_from_zero() -> None:
     ep, rp = tcp_pair()
     pub = ZmqEventPublisher(endpoint=ep, replay_endpoint=rp)
@@ -154,7 +167,7 @@ def test_publisher_restart_is_reported_then_new_stream_read_from_zero() -> None:
         first = drain(sub)
         assert seqs(first) == [0, 1, 2, 3, 4]
         pub.shutdown()
-        pub = ZmqEventPublisher(endpoint=ep, replay_endpoint=rp)
+        pub = rebind(ep, rp)
         # Publish until the reconnected subscriber sees something.
         items: list[SubscriberItem] = []
         n = 0
