@@ -253,6 +253,11 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--hash-seed", default=None)
     r.add_argument("--load-weight", type=float, default=4.0)
     r.add_argument("--max-index-entries", type=int, default=1_000_000)
+    r.add_argument(
+        "--tier-weights",
+        default="GPU=1.0,CPU=0.8,DISK=0.5,EXTERNAL=0.3",
+        help="weight of a cached block per medium, MEDIUM=W,...",
+    )
 
     c = commands.add_parser("cluster", help="N instances + router (+ redis) on loopback")
     c.add_argument("--instances", type=int, default=2)

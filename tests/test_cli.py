@@ -45,3 +45,21 @@ def test_format_items_readable_and_json() -> None:
 def test_tail_rejects_a_bad_endpoint(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["events", "tail", "--endpoint", "tcp://nohost"]) == 2
     assert "tcp://nohost" in capsys.readouterr().err
+
+
+def test_router_rejects_bad_instances_and_weights(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["router", "--instance", "nonsense"]) == 2
+    assert "URL,EVENTS_ENDPOINT" in capsys.readouterr().err
+    assert (
+        main(
+            [
+                "router",
+                "--instance",
+                "http://127.0.0.1:1,tcp://127.0.0.1:2",
+                "--tier-weights",
+                "GPU",
+            ]
+        )
+        == 2
+    )
+    assert "--tier-weights" in capsys.readouterr().err
