@@ -314,11 +314,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ValueError as e:
             print(f"kvconnect router: {e}", file=sys.stderr)
             return 2
+        try:
+            pairs = [p.split("=") for p in args.tier_weights.split(",")]
+            weights = {m: float(w) for m, w in pairs}
+        except ValueError:
+            print(
+                f"kvconnect router: --tier-weights {args.tier_weights!r}: expected "
+                "MEDIUM=WEIGHT,...",
+                file=sys.stderr,
+            )
+            return 2
         index = BlockIndex(
             args.block_size,
             hash_algorithm=args.hash_algorithm,
             hash_seed=args.hash_seed,
             max_entries=args.max_index_entries,
+            tier_weights=weights,
         )
         router = Router(instances, index, load_tokenizer(args.model), args.load_weight)
         run_router(router, args.host, args.port)
