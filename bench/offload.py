@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
-import subprocess
 import tempfile
 import time
 from collections.abc import Callable
@@ -26,40 +24,10 @@ from kvconnect.connector.offload.tiers.base import Tier, pack
 from kvconnect.connector.offload.tiers.cpu import CpuTier
 from kvconnect.connector.offload.tiers.disk import DiskTier
 from kvconnect.connector.offload.tiers.redis import RedisTier
+from kvconnect.redis_server import LocalRedis
 
 SHAPE = (4, 2, 256, 4, 32)  # tiny model, TP=1: 1 MiB of float32
 NUM = 64
-
-
-def start_redis() -> tuple[subprocess.Popen[bytes], str, str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    workdir = tempfile.mkdtemp()
-    proc = subprocess.Popen(
-        [
-            "redis-server",
-            "--port",
-            str(port),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--dir",
-            workdir,
-        ],
-        stdout=subprocess.DEVNULL,
-    )
-    client = redis.Redis(port=port)
-    for _ in range(100):
-        try:
-            client.ping()
-            break
-        except redis.ConnectionError:
-            time.sleep(0.05)
-    return proc, f"redis://127.0.0.1:{port}/0", workdir
 
 
 def gbps(nbytes: int, fn: Callable[[], object]) -> float:
@@ -147,7 +115,8 @@ def ttft(tier: dict[str, Any], prompt: list[int]) -> tuple[float, float]:
 
 
 def main() -> None:
-    proc, url, rdir = start_redis()
+    server = LocalRedis()
+    url = server.url
     root = tempfile.mkdtemp()
     try:
         data = chunks()
@@ -176,9 +145,8 @@ def main() -> None:
             f"{cold * 1000:.0f} ms vs loaded ms: {loads}"
         )
     finally:
-        proc.terminate()
+        server.stop()
         shutil.rmtree(root, ignore_errors=True)
-        shutil.rmtree(rdir, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -13,16 +13,15 @@ import argparse
 import asyncio
 import json
 import random
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import urllib.request
 from typing import TextIO
 
+from kvconnect.redis_server import LocalRedis
 from kvconnect.router.index import BlockIndex
 from kvconnect.router.server import Instance, Router, load_tokenizer, make_app
 
@@ -39,30 +38,6 @@ def _wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout: float) -> No
         except OSError:
             time.sleep(0.2)
     raise RuntimeError(f"{url} did not become healthy within {timeout:.0f}s")
-
-
-def start_redis(port: int) -> tuple[subprocess.Popen[bytes], str]:
-    exe = shutil.which("redis-server")
-    if exe is None:
-        raise RuntimeError("--redis needs redis-server (apt-get install redis-server)")
-    workdir = tempfile.mkdtemp(prefix="kvconnect-redis-")
-    proc = subprocess.Popen(
-        [
-            exe,
-            "--port",
-            str(port),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--dir",
-            workdir,
-        ],
-        stdout=subprocess.DEVNULL,
-    )
-    return proc, f"redis://127.0.0.1:{port}/0"
 
 
 def instance_command(i: int, args: argparse.Namespace, redis_url: str | None) -> list[str]:
@@ -133,10 +108,11 @@ def run_cluster(args: argparse.Namespace, out: TextIO) -> int:
 
     procs: list[subprocess.Popen[bytes]] = []
     redis_url = None
+    local_redis: LocalRedis | None = None
     try:
         if args.redis:
-            rproc, redis_url = start_redis(args.event_port - 1)
-            procs.append(rproc)
+            local_redis = LocalRedis()
+            redis_url = local_redis.url
             print(f"# redis on {redis_url}", file=out, flush=True)
         instances = []
         for i in range(args.instances):
@@ -194,3 +170,5 @@ def run_cluster(args: argparse.Namespace, out: TextIO) -> int:
                 p.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 p.kill()
+        if local_redis is not None:
+            local_redis.stop()

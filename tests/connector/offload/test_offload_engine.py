@@ -13,8 +13,9 @@ import pytest
 from kvconnect import LLM, SamplingParams
 from kvconnect.connector.offload.tiers.disk import SUFFIX
 from kvconnect.events import BlockRemoved, BlockStored
+from kvconnect.redis_server import LocalRedis
 from kvconnect.subscriber import KVEventSubscriber, ReceivedBatch
-from tests.conftest import RedisServer, start_redis
+from tests.conftest import start_redis
 from tests.connector.helpers import MODULE
 from tests.helpers import SETTLE_S
 
@@ -40,7 +41,7 @@ def settle(llm: LLM, steps: int = 20) -> None:
         time.sleep(0.01)
 
 
-def tier(kind: str, tmp: Path, redis: RedisServer) -> dict[str, Any]:
+def tier(kind: str, tmp: Path, redis: LocalRedis) -> dict[str, Any]:
     return {
         "cpu": {"kind": "cpu", "max_bytes": 1 << 26},
         "disk": {"kind": "disk", "path": str(tmp), "max_bytes": 1 << 28},
@@ -51,7 +52,7 @@ def tier(kind: str, tmp: Path, redis: RedisServer) -> dict[str, Any]:
 @pytest.mark.parametrize("tp", [1, 2])
 @pytest.mark.parametrize("kind", ["cpu", "disk", "redis"])
 def test_reset_then_the_same_prompt_loads_from_the_tier(
-    tmp_path: Path, fresh_redis: RedisServer, kind: str, tp: int
+    tmp_path: Path, fresh_redis: LocalRedis, kind: str, tp: int
 ) -> None:
     with LLM(
         "tiny",
@@ -71,7 +72,7 @@ def test_reset_then_the_same_prompt_loads_from_the_tier(
 
 
 def test_a_second_instance_reuses_the_first_ones_kv_through_redis(
-    fresh_redis: RedisServer,
+    fresh_redis: LocalRedis,
 ) -> None:
     cfg = offload({"kind": "redis", "url": fresh_redis.url})
     with LLM("tiny", tensor_parallel_size=2, kv_transfer_config=cfg) as first:

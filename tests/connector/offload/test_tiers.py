@@ -8,7 +8,7 @@ from kvconnect.connector.offload.tiers.base import TierError, pack, unpack
 from kvconnect.connector.offload.tiers.cpu import CpuTier
 from kvconnect.connector.offload.tiers.disk import DiskTier
 from kvconnect.connector.offload.tiers.redis import RedisTier, redact
-from tests.conftest import RedisServer
+from kvconnect.redis_server import LocalRedis
 
 SHAPE = (2, 2, 8, 2, 4)
 
@@ -93,7 +93,7 @@ def test_disk_tier_drops_garbage_files_on_start(tmp_path: Path) -> None:
     assert not (tmp_path / "junk.kvchunk").exists()
 
 
-def test_redis_tier(fresh_redis: RedisServer) -> None:
+def test_redis_tier(fresh_redis: LocalRedis) -> None:
     tier = RedisTier(fresh_redis.url)
     key, info, data = chunk(7)
     assert tier.get(key) is None and not tier.contains(key)
