@@ -171,15 +171,12 @@ class LLM:
             raise
         finished = self.scheduler.update_from_output(out, sampled, kv_output)
         if not out.scheduled:
-            if not (
-                self.scheduler.running
-                or self.scheduler.has_pending_transfers
-                or self.scheduler._remote_waiting
-                or self.connector is not None
-            ):
-                waiting = [r.request_id for r in self.scheduler.waiting]
-                raise RuntimeError(f"requests {waiting} cannot be scheduled (too few KV blocks?)")
-            time.sleep(0.001)  # waiting on transfers only
+            if out.stuck_req_id is not None:
+                raise RuntimeError(
+                    f"request {out.stuck_req_id!r} can never be scheduled: it needs more KV "
+                    f"blocks than the pool has ({self.scheduler.pool.num_blocks})"
+                )
+            time.sleep(0.001)  # only transfers are in flight
         return finished
 
     def generate(
@@ -227,13 +224,7 @@ class LLM:
         )
 
     def _fail_all(self, reason: str) -> None:
-        sched = self.scheduler
-        for req in [*sched.waiting, *sched.running, *sched._remote_waiting.values()]:
-            req.status = RequestStatus.FINISHED_ERROR
-            req.error = reason
-        sched.waiting.clear()
-        sched.running.clear()
-        sched._remote_waiting.clear()
+        self.scheduler.fail_all(reason)
         self.shutdown(timeout=1.0)  # a worker is gone or stuck: do not wait long for the rest
 
     def reset_prefix_cache(self, reset_connector: bool = False) -> bool:

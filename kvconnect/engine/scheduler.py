@@ -93,6 +93,8 @@ class SchedulerOutput:
     """Requests that finished since the previous step (workers pass them to get_finished)."""
     preempted_req_ids: set[str] = field(default_factory=set)
     kv_connector_metadata: KVConnectorMetadata | None = None
+    stuck_req_id: str | None = None
+    """A waiting request that does not fit even though nothing else holds blocks."""
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -209,8 +211,10 @@ class Scheduler:
         ):
             req = self.waiting[0]
             admitted = self._admit(req, budget, out)
-            if admitted is None:
-                break  # out of blocks (or budget, without chunked prefill): keep the order
+            if admitted is None:  # out of blocks (or budget, without chunked prefill)
+                if not self.running and not self._remote_waiting and not self._saving:
+                    out.stuck_req_id = req.request_id
+                break
             self.waiting.popleft()
             if admitted == _SKIPPED:
                 skipped.append(req)  # the connector is still looking: ask again next step
@@ -391,6 +395,15 @@ class Scheduler:
             "%d blocks failed to load; %d requests recompute them", len(invalid), len(affected)
         )
         return affected
+
+    def fail_all(self, reason: str) -> None:
+        """The engine is gone: every unfinished request ends with an error."""
+        for req in [*self.waiting, *self.running, *self._remote_waiting.values()]:
+            req.status = RequestStatus.FINISHED_ERROR
+            req.error = reason
+        self.waiting.clear()
+        self.running.clear()
+        self._remote_waiting.clear()
 
     def _finish(self, req: Request, status: RequestStatus, free: bool = True) -> None:
         req.status = status

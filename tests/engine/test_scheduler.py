@@ -212,3 +212,9 @@ def test_abort_frees_and_reports_the_id_to_workers() -> None:
     s.abort_request("a")
     assert step(s).finished_req_ids == {"a"}
     assert_all_free(s)
+
+
+def test_a_request_larger_than_the_pool_is_reported_stuck() -> None:
+    s = make(num_blocks=2, budget=64)
+    s.add_request(req("big", 12))  # needs 3 blocks of 4
+    assert s.schedule().stuck_req_id == "big"
