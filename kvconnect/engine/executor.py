@@ -21,6 +21,7 @@ from typing import Any
 from kvconnect.connector.aggregator import KVOutputAggregator
 from kvconnect.connector.base import KVConnectorOutput
 from kvconnect.engine.scheduler import SchedulerOutput
+from kvconnect.engine.shm_all_reduce import ShmAllReduceOwner
 from kvconnect.engine.worker import WorkerConfig, WorkerOutput, worker_main
 
 logger = logging.getLogger(__name__)
@@ -54,7 +55,11 @@ class Executor:
             config.kv_transfer_config.kv_connector
         )
         ctx = mp.get_context("spawn")
+        self._shm: ShmAllReduceOwner | None = None
         cfg = replace(config, dist_port=_free_port())
+        if tp > 1 and config.all_reduce_bytes > 0:
+            self._shm = ShmAllReduceOwner(ctx, tp, config.all_reduce_bytes)
+            cfg = replace(cfg, all_reduce=self._shm.handle)
         self._procs: list[BaseProcess] = []
         self._conns: list[Connection] = []
         self._dead = False
@@ -82,12 +87,14 @@ class Executor:
         return [p.pid for p in self._procs]
 
     def _recv(self, rank: int, timeout: float) -> Any:
-        conn, proc = self._conns[rank], self._procs[rank]
+        conn = self._conns[rank]
         deadline = time.monotonic() + timeout
         while not conn.poll(0.05):
-            if not proc.is_alive():
-                self._dead = True
-                raise EngineDeadError(f"worker {rank} died (exit code {proc.exitcode})")
+            # Any dead worker: its peers may be blocked in a collective waiting for it.
+            for r, p in enumerate(self._procs):
+                if not p.is_alive():
+                    self._dead = True
+                    raise EngineDeadError(f"worker {r} died (exit code {p.exitcode})")
             if time.monotonic() > deadline:
                 self._dead = True
                 raise EngineDeadError(f"worker {rank} did not answer within {timeout:.0f}s")
@@ -151,3 +158,6 @@ class Executor:
             conn.close()
         self._conns, self._procs = [], []
         self._dead = True
+        if self._shm is not None:
+            self._shm.close()
+            self._shm = None

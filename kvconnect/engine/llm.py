@@ -97,6 +97,8 @@ class LLM:
             hash_algorithm=hash_algorithm,
             hash_seed=hash_seed,
             data_parallel_rank=data_parallel_rank,
+            # The largest partial sum a step produces: every scheduled token's hidden state.
+            all_reduce_bytes=max_num_batched_tokens * self.model_config.hidden_size * 8,
         )
         self.connector: KVConnectorBase | None = None
         if transfer is not None and transfer.kv_connector:

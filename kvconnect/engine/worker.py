@@ -33,6 +33,7 @@ from kvconnect.connector.base import (
 )
 from kvconnect.connector.registry import KVConnectorFactory
 from kvconnect.engine.scheduler import SchedulerOutput
+from kvconnect.engine.shm_all_reduce import ShmAllReduce, ShmAllReduceHandle
 from kvconnect.model.llama import AttentionMetadata
 from kvconnect.model.loader import load_model
 
@@ -52,6 +53,10 @@ class WorkerConfig:
     dist_port: int = 0
     num_threads: int = 0
     """Torch threads per worker; 0 shares the machine's cores among the workers."""
+    all_reduce_bytes: int = 0
+    """Largest tensor the shared-memory all-reduce takes; larger ones go through gloo."""
+    all_reduce: ShmAllReduceHandle | None = None
+    """Set by the executor when tensor_parallel_size > 1."""
 
     def connector_context(self, rank: int) -> KVConnectorContext:
         assert self.kv_transfer_config is not None
@@ -100,6 +105,10 @@ class ModelRunner:
         self.model, _ = load_model(
             config.model, rank, config.tensor_parallel_size, config.dtype, config.seed
         )
+        self._all_reduce: ShmAllReduce | None = None
+        if config.all_reduce is not None:
+            self._all_reduce = ShmAllReduce(config.all_reduce, rank)
+            self.model.set_all_reduce(self._all_reduce)
         dtype = next(self.model.parameters()).dtype
         shape = self.model.kv_cache_shape(config.num_kv_blocks, config.block_size)
         self.kv_caches = [torch.zeros(shape, dtype=dtype) for _ in self.model.layer_names]
@@ -190,6 +199,8 @@ class ModelRunner:
     def shutdown(self) -> None:
         if self.connector is not None:
             self.connector.shutdown()
+        if self._all_reduce is not None:
+            self._all_reduce.close()
 
 
 def worker_main(config: WorkerConfig, rank: int, conn: Connection) -> None:

@@ -16,6 +16,7 @@ Paged KV cache of one layer (this rank's shard): [2, num_blocks, block_size, kv_
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -107,9 +108,11 @@ def paged_attention(
     return out
 
 
-def _all_reduce(x: torch.Tensor, tp: int) -> torch.Tensor:
-    if tp > 1:
-        dist.all_reduce(x)
+AllReduce = Callable[[torch.Tensor], torch.Tensor]
+
+
+def dist_all_reduce(x: torch.Tensor) -> torch.Tensor:
+    dist.all_reduce(x)
     return x
 
 
@@ -117,6 +120,7 @@ class Attention(nn.Module):
     def __init__(self, config: ModelConfig, tp: int, layer_name: str) -> None:
         super().__init__()
         self.tp = tp
+        self.all_reduce: AllReduce = dist_all_reduce
         self.layer_name = layer_name
         self.num_heads = config.num_attention_heads // tp
         self.num_kv_heads = config.num_key_value_heads // tp
@@ -149,13 +153,15 @@ class Attention(nn.Module):
         o = paged_attention(q, kv_cache, meta)
         if hooks is not None:
             hooks.after_attention(self.layer_name, kv_cache)
-        return _all_reduce(self.o_proj(o.reshape(t, -1)), self.tp)
+        out: torch.Tensor = self.o_proj(o.reshape(t, -1))
+        return self.all_reduce(out) if self.tp > 1 else out
 
 
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig, tp: int) -> None:
         super().__init__()
         self.tp = tp
+        self.all_reduce: AllReduce = dist_all_reduce
         inter = config.intermediate_size // tp
         self.gate_proj = nn.Linear(config.hidden_size, inter, bias=False)
         self.up_proj = nn.Linear(config.hidden_size, inter, bias=False)
@@ -163,7 +169,8 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h: torch.Tensor = F.silu(self.gate_proj(x)) * self.up_proj(x)
-        return _all_reduce(self.down_proj(h), self.tp)
+        out: torch.Tensor = self.down_proj(h)
+        return self.all_reduce(out) if self.tp > 1 else out
 
 
 class DecoderLayer(nn.Module):
@@ -210,6 +217,12 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def set_all_reduce(self, all_reduce: AllReduce) -> None:
+        """Sum partial outputs across TP ranks with `all_reduce` (default: torch.distributed)."""
+        for module in self.modules():
+            if isinstance(module, Attention | MLP):
+                module.all_reduce = all_reduce
 
     @property
     def layer_names(self) -> list[str]:
