@@ -132,9 +132,7 @@ class BlockIndex:
             self.stats.events_applied += 1
             if isinstance(event, BlockStored):
                 self._check_hashes(iid, inst, event)
-                key_medium = event.medium or "GPU"
-                for h in event.block_hashes:
-                    self._add(h, (inst.slot, inst.generation, key_medium), 1)
+                self._store(event.block_hashes, (inst.slot, inst.generation, event.medium or "GPU"))
             elif isinstance(event, BlockRemoved):
                 key_medium = event.medium or "GPU"
                 for h in event.block_hashes:
@@ -142,6 +140,20 @@ class BlockIndex:
             elif isinstance(event, AllBlocksCleared):
                 self.clear_instance(iid)
                 inst.stale = False  # a full clear is a resync point
+
+    def _store(self, hashes: list[ExternalBlockHash], key: tuple[int, int, str]) -> None:
+        """The hot path of `apply_batch`: count `key` once more for each hash."""
+        entries = self._entries
+        for h in hashes:
+            holders = entries.get(h)
+            if holders is None:
+                entries[h] = {key: 1}
+                if len(entries) > self.max_entries:
+                    entries.popitem(last=False)
+                    self.stats.entries_evicted += 1
+            else:
+                entries.move_to_end(h)
+                holders[key] = holders.get(key, 0) + 1
 
     def _add(self, h: ExternalBlockHash, key: tuple[int, int, str], delta: int) -> None:
         holders = self._entries.get(h)
@@ -222,35 +234,41 @@ class BlockIndex:
     def score_hashes(self, hashes: Sequence[ExternalBlockHash]) -> dict[InstanceId, PrefixScore]:
         """Per instance: the longest run of consecutive prefix blocks it can serve, each block
         weighted by the best tier it is in there."""
-        scores = {iid: PrefixScore() for iid in self.instances}
-        alive = set(self.instances)
-        weights = self.tier_weights
+        by_slot = self._by_slot
+        gens = [self.instances[iid].generation for iid in by_slot]
+        weights, shared_tier = self.tier_weights, self.external_shared
+        counts = [0] * len(by_slot)
+        weighted = [0.0] * len(by_slot)
+        tiers: list[dict[str, int]] = [{} for _ in by_slot]
+        alive = list(range(len(by_slot)))
         for h in hashes:
             holders = self._entries.get(h)
             if not holders or not alive:
                 break
-            best: dict[InstanceId, tuple[float, str]] = {}
+            best: dict[int, tuple[float, str]] = {}
             shared: tuple[float, str] | None = None
-            for (slot, gen, medium), _ in holders.items():
-                iid = self._by_slot[slot]
-                if self.instances[iid].generation != gen:
+            for slot, gen, medium in holders:
+                if gens[slot] != gen:
                     continue
                 w = (weights.get(medium, 0.0), medium)
-                if medium == MEDIUM_EXTERNAL and self.external_shared:
-                    shared = w if shared is None or w > shared else shared
-                elif iid not in best or w > best[iid]:
-                    best[iid] = w
-            for iid in list(alive):
-                options = [w for w in (best.get(iid), shared) if w is not None]
-                if not options:
-                    alive.discard(iid)
+                if medium == MEDIUM_EXTERNAL and shared_tier:
+                    if shared is None or w > shared:
+                        shared = w
+                elif slot not in best or w > best[slot]:
+                    best[slot] = w
+            still = []
+            for slot in alive:
+                b = best.get(slot)
+                if shared is not None and (b is None or shared > b):
+                    b = shared
+                if b is None:
                     continue
-                w = max(options)
-                s = scores[iid]
-                s.num_blocks += 1
-                s.weighted += w[0]
-                s.blocks_per_tier[w[1]] = s.blocks_per_tier.get(w[1], 0) + 1
-        return scores
+                still.append(slot)
+                counts[slot] += 1
+                weighted[slot] += b[0]
+                tiers[slot][b[1]] = tiers[slot].get(b[1], 0) + 1
+            alive = still
+        return {iid: PrefixScore(counts[s], weighted[s], tiers[s]) for s, iid in enumerate(by_slot)}
 
     def holders(self, h: ExternalBlockHash) -> dict[InstanceId, set[str]]:
         """The instances holding `h` and in which media (their own, not shared ones)."""
