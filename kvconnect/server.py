@@ -80,12 +80,15 @@ class EngineLoop:
         self._thread.join(timeout=10)
 
     def _run(self) -> None:
+        sched = self.llm.scheduler
         while True:
-            busy = self.llm.scheduler.has_unfinished_requests
+            busy = sched.has_unfinished_requests or sched.has_pending_transfers
             try:  # block only when idle; take every waiting request before the next step
                 item = self._incoming.get_nowait() if busy else self._incoming.get(timeout=0.1)
             except queue.Empty:
-                if not busy:
+                # Idle with a connector: step anyway now and then, so that stores finishing in
+                # the background are reported and published without waiting for traffic.
+                if not busy and self.llm.connector is None:
                     continue
             else:
                 if item is None:
