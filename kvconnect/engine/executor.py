@@ -20,7 +20,7 @@ from typing import Any
 
 from kvconnect.connector.aggregator import KVOutputAggregator
 from kvconnect.connector.base import KVConnectorOutput
-from kvconnect.engine.scheduler import SchedulerOutput
+from kvconnect.engine.outputs import SchedulerOutput
 from kvconnect.engine.shm_all_reduce import ShmAllReduceOwner
 from kvconnect.engine.worker import WorkerConfig, WorkerOutput, worker_main
 

@@ -32,7 +32,7 @@ from kvconnect.connector.base import (
     KVConnectorRole,
 )
 from kvconnect.connector.registry import KVConnectorFactory
-from kvconnect.engine.scheduler import SchedulerOutput
+from kvconnect.engine.outputs import SchedulerOutput
 from kvconnect.engine.shm_all_reduce import ShmAllReduce, ShmAllReduceHandle
 from kvconnect.model.llama import AttentionMetadata
 from kvconnect.model.loader import load_model

@@ -6,8 +6,9 @@ from kvconnect.config import KVTransferConfig
 from kvconnect.connector import KVConnectorContext, KVConnectorOutput, KVConnectorRole
 from kvconnect.connector.base import ConnectorRequest
 from kvconnect.engine.block_pool import BlockPool
+from kvconnect.engine.outputs import SchedulerOutput
 from kvconnect.engine.request import Request, RequestStatus, SamplingParams
-from kvconnect.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from kvconnect.engine.scheduler import Scheduler, SchedulerConfig
 from tests.connector.helpers import Recording
 
 BS = 4

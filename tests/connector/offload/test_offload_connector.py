@@ -17,7 +17,7 @@ from kvconnect.connector import (
     KVOutputAggregator,
 )
 from kvconnect.connector.offload.connector import OffloadConnector
-from kvconnect.engine.scheduler import ScheduledRequest
+from kvconnect.engine.outputs import ScheduledRequest
 from kvconnect.events import BlockRemoved, BlockStored
 from kvconnect.hashing import block_hashes
 from tests.connector.helpers import FakeNewRequest, FakeSchedulerOutput, roundtrip
