@@ -116,8 +116,14 @@ def run_cluster(args: argparse.Namespace, out: TextIO) -> int:
             print(f"# redis on {redis_url}", file=out, flush=True)
         instances = []
         for i in range(args.instances):
+            # Own sessions: a terminal's Ctrl-C reaches only this process, which then stops
+            # each instance once.
             procs.append(
-                subprocess.Popen(instance_command(i, args, redis_url), stdout=subprocess.DEVNULL)
+                subprocess.Popen(
+                    instance_command(i, args, redis_url),
+                    stdout=subprocess.DEVNULL,
+                    start_new_session=True,
+                )
             )
             port = args.event_port + 2 * i
             instances.append(

@@ -16,6 +16,7 @@ import asyncio
 import json
 import logging
 import queue
+import signal
 import threading
 import time
 import uuid
@@ -271,5 +272,8 @@ def serve(llm: LLM, host: str, port: int, model_name: str) -> None:
             make_app(engine, model_name), host=host, port=port, print=None, handle_signals=True
         )
     finally:
+        # Shutdown is bounded (workers are stopped within seconds); a second Ctrl-C must not
+        # cut it short and leave worker processes behind.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         engine.stop()
         llm.shutdown()
