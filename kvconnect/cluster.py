@@ -26,7 +26,8 @@ from kvconnect.router.index import BlockIndex
 from kvconnect.router.server import Instance, Router, load_tokenizer, make_app
 
 
-def _wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout: float) -> None:
+def wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout: float) -> None:
+    """Return once `url`/health answers 200; `RuntimeError` if `proc` exits or time runs out."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -135,7 +136,7 @@ def run_cluster(args: argparse.Namespace, out: TextIO) -> int:
             )
         start = time.monotonic()
         for n, (inst, proc) in enumerate(zip(instances, procs[-args.instances :], strict=True)):
-            _wait_healthy(inst.url, proc, timeout=120)
+            wait_healthy(inst.url, proc, timeout=120)
             print(
                 f"[{n + 1}/{args.instances}] instance {inst.url} ready "
                 f"({time.monotonic() - start:.1f}s), events {inst.events_endpoint}",

@@ -20,7 +20,7 @@ import signal
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
@@ -51,12 +51,10 @@ class _Pending:
 @dataclass
 class ServerMetrics:
     requests: int = 0
-    requests_failed: int = 0
     prompt_tokens: int = 0
     generation_tokens: int = 0
     cached_tokens: int = 0
     external_tokens: int = 0
-    per_instance: dict[str, int] = field(default_factory=dict)
 
 
 class EngineLoop:

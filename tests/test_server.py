@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from kvconnect.cluster import wait_healthy
 from kvconnect.events import BlockStored
 from kvconnect.subscriber import KVEventSubscriber, ReceivedBatch
 from tests.helpers import free_port
@@ -43,14 +44,7 @@ def test_idle_engine_publishes_background_stores_without_more_traffic(tmp_path: 
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                urllib.request.urlopen(url + "/health", timeout=1)
-                break
-            except OSError:
-                assert time.monotonic() < deadline and proc.poll() is None
-                time.sleep(0.2)
+        wait_healthy(url, proc, timeout=120)
         sub = KVEventSubscriber(f"ipc://{tmp_path}/ev", start_seq=0)
         body = json.dumps({"prompt": "y" * 70, "max_tokens": 1}).encode()
         urllib.request.urlopen(

@@ -136,7 +136,7 @@ class BlockIndex:
             elif isinstance(event, BlockRemoved):
                 key_medium = event.medium or "GPU"
                 for h in event.block_hashes:
-                    self._add(h, (inst.slot, inst.generation, key_medium), -1)
+                    self._remove(h, (inst.slot, inst.generation, key_medium))
             elif isinstance(event, AllBlocksCleared):
                 self.clear_instance(iid)
                 inst.stale = False  # a full clear is a resync point
@@ -155,25 +155,17 @@ class BlockIndex:
                 entries.move_to_end(h)
                 holders[key] = holders.get(key, 0) + 1
 
-    def _add(self, h: ExternalBlockHash, key: tuple[int, int, str], delta: int) -> None:
+    def _remove(self, h: ExternalBlockHash, key: tuple[int, int, str]) -> None:
+        """Count `key` once less for `h`; a removal nothing matches is counted, not an error."""
         holders = self._entries.get(h)
-        if holders is None:
-            if delta < 0:
-                self.stats.unmatched_removals += 1
-                return
-            holders = self._entries[h] = {}
-            if len(self._entries) > self.max_entries:
-                self._entries.popitem(last=False)
-                self.stats.entries_evicted += 1
-        elif delta > 0:
-            self._entries.move_to_end(h)
-        count = holders.get(key, 0) + delta
-        if count > 0:
-            holders[key] = count
+        count = holders.get(key) if holders is not None else None
+        if holders is None or count is None:
+            self.stats.unmatched_removals += 1
+            return
+        if count > 1:
+            holders[key] = count - 1
         else:
-            if key not in holders:
-                self.stats.unmatched_removals += 1
-            holders.pop(key, None)
+            del holders[key]
             self._sweep(h, holders)
 
     def _sweep(self, h: ExternalBlockHash, holders: dict[tuple[int, int, str], int]) -> None:

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 
+from kvconnect.cluster import wait_healthy
 from kvconnect.router.index import BlockIndex, InstanceId
 from kvconnect.router.server import Instance, Router, load_tokenizer, make_app
 from tests.helpers import free_port
@@ -49,15 +50,7 @@ class Engine:
                 json.dumps(events),
             ]
         )
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, "serve exited"
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=1):
-                    return
-            except OSError:
-                time.sleep(0.2)
-        raise AssertionError("serve did not start")
+        wait_healthy(self.url, self.proc, timeout=120)
 
     def kill(self) -> None:
         assert self.proc is not None

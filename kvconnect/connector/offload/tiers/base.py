@@ -93,6 +93,15 @@ def pack(key: str, info: ChunkInfo, data: torch.Tensor) -> list[bytes | memoryvi
     return [len(header).to_bytes(4, "big"), header, payload]
 
 
+def peek_key(blob: bytes | bytearray | memoryview) -> str:
+    """The key a serialised chunk says it holds (its payload is not checked)."""
+    view = memoryview(blob)
+    try:
+        return _decode_header(view[4 : 4 + int.from_bytes(view[:4], "big")]).key
+    except (msgspec.MsgspecError, ValueError) as e:
+        raise TierError(f"unreadable chunk header ({e})") from None
+
+
 def unpack(
     blob: bytes | bytearray | memoryview, expected_key: str
 ) -> tuple[ChunkInfo, torch.Tensor]:

@@ -18,7 +18,14 @@ from pathlib import Path
 import torch
 
 from kvconnect.connector.offload.common import ChunkInfo
-from kvconnect.connector.offload.tiers.base import Evicted, Tier, TierError, pack, unpack
+from kvconnect.connector.offload.tiers.base import (
+    Evicted,
+    Tier,
+    TierError,
+    pack,
+    peek_key,
+    unpack,
+)
 
 logger = logging.getLogger(__name__)
 SUFFIX = ".kvchunk"
@@ -47,7 +54,7 @@ class DiskTier(Tier):
         for f in files:
             try:
                 blob = f.read_bytes()
-                key = _peek_key(blob)
+                key = peek_key(blob)
                 info, _ = unpack(blob, key)
             except (TierError, OSError, ValueError) as e:
                 logger.warning("disk tier: dropping unreadable %s (%s)", f.name, e)
@@ -125,13 +132,3 @@ class DiskTier(Tier):
 
     def entries(self) -> list[tuple[str, ChunkInfo]]:
         return [(k, info) for k, (_, info) in self._index.items()]
-
-
-def _peek_key(blob: bytes) -> str:
-    import msgspec
-
-    n = int.from_bytes(blob[:4], "big")
-    header = msgspec.msgpack.decode(blob[4 : 4 + n])
-    if not isinstance(header, list) or not header or not isinstance(header[0], str):
-        raise ValueError("no key in header")
-    return header[0]
