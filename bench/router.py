@@ -26,7 +26,7 @@ from kvconnect.engine.block_pool import BlockPool
 from kvconnect.engine.kv_cache_manager import KVCacheManager
 from kvconnect.engine.request import Request, SamplingParams
 from kvconnect.events import BlockRemoved, BlockStored, KVEventBatch
-from kvconnect.router.index import BlockIndex, InstanceId, PrefixScore
+from kvconnect.router.index import BlockIndex, PrefixScore
 from kvconnect.router.scorer import choose
 
 BS = 16
@@ -65,7 +65,7 @@ def index_rate() -> tuple[float, float]:
         batches.append(KVEventBatch(0.0, events, 0))  # type: ignore[arg-type]
     num_events = sum(len(b.events) for b in batches)
     index = BlockIndex(BS)
-    iid = InstanceId("tcp://x:1", 0)
+    iid = "http://x:1"
     t0 = time.perf_counter()
     for b in batches:
         index.apply_batch(iid, b)
@@ -87,7 +87,7 @@ def lookup_latency() -> tuple[float, float]:
     hashes = index.request_hashes(tokens)
     for i in range(NUM_INSTANCES):
         index.apply_batch(
-            InstanceId(f"tcp://i{i}:1", 0),
+            f"http://i{i}:1",
             KVEventBatch(
                 0.0, [BlockStored(hashes[: 100 * (i + 1)], None, [], BS, None, "GPU", None)], 0
             ),
@@ -105,7 +105,7 @@ def lookup_latency() -> tuple[float, float]:
 
 class SimInstance:
     def __init__(self, i: int) -> None:
-        self.id = InstanceId(f"tcp://instance{i}:5557", 0)
+        self.name = f"http://instance{i}:8000"
         self.pool = BlockPool(320, BS, enable_caching=True, enable_kv_cache_events=True)
         self.kv = KVCacheManager(self.pool)
         self.busy_until = 0.0
@@ -145,8 +145,8 @@ def simulate(policy_name: str, sec_per_token: float) -> tuple[float, float, floa
         tokens = rng.choice(tenants) + [rng.randrange(256) for _ in range(64)]
         req = Request(str(n), tokens, SamplingParams(max_tokens=1), BS)
         hashes = index.request_hashes(tokens)
-        loads = {inst.id: inst.load(now) for inst in instances}
-        ids = [inst.id for inst in instances]
+        loads = {inst.name: inst.load(now) for inst in instances}
+        ids = [inst.name for inst in instances]
         if policy_name == "round-robin":
             target = instances[rr % NUM_INSTANCES]
             rr += 1
@@ -161,9 +161,9 @@ def simulate(policy_name: str, sec_per_token: float) -> tuple[float, float, floa
                         if inst.pool.get_cached_block(h) is None:
                             break
                         run += 1
-                    scores[inst.id] = PrefixScore(run, float(run))
+                    scores[inst.name] = PrefixScore(run, float(run))
             chosen = choose(ids, scores, loads, len(hashes)).instance
-            target = next(inst for inst in instances if inst.id == chosen)
+            target = next(inst for inst in instances if inst.name == chosen)
         ttft, cached = target.serve(req, now, sec_per_token)
         ttfts.append(ttft)
         hit_tokens += cached
@@ -171,7 +171,7 @@ def simulate(policy_name: str, sec_per_token: float) -> tuple[float, float, floa
         for inst in instances:  # the instances publish; the router applies
             events = inst.pool.take_events()
             if events:
-                index.apply_batch(inst.id, KVEventBatch(now, events, 0))  # type: ignore[arg-type]
+                index.apply_batch(inst.name, KVEventBatch(now, events, 0))  # type: ignore[arg-type]
     q = statistics.quantiles(ttfts, n=10)
     return hit_tokens / prompt_tokens, q[4], q[8]
 

@@ -307,7 +307,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if args.command == "router":
         from kvconnect.router.index import BlockIndex
-        from kvconnect.router.server import Instance, Router, load_tokenizer, run_router
+        from kvconnect.router.server import Instance, Router, run_router
+        from kvconnect.tokenizer import load_tokenizer
 
         try:
             instances = [Instance.parse(spec) for spec in args.instance]

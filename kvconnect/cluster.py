@@ -23,7 +23,8 @@ from typing import TextIO
 
 from kvconnect.redis_server import LocalRedis
 from kvconnect.router.index import BlockIndex
-from kvconnect.router.server import Instance, Router, load_tokenizer, make_app
+from kvconnect.router.server import Instance, Router, make_app
+from kvconnect.tokenizer import load_tokenizer
 
 
 def wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout: float) -> None:

@@ -26,16 +26,9 @@ from typing import Any
 from aiohttp import web
 
 from kvconnect.engine.llm import LLM
-from kvconnect.engine.request import Request, RequestStatus, SamplingParams
+from kvconnect.engine.request import Request, SamplingParams
 
 logger = logging.getLogger(__name__)
-
-_REASONS = {
-    RequestStatus.FINISHED_STOPPED: "stop",
-    RequestStatus.FINISHED_LENGTH: "length",
-    RequestStatus.FINISHED_ABORTED: "abort",
-    RequestStatus.FINISHED_ERROR: "error",
-}
 
 
 @dataclass
@@ -124,14 +117,14 @@ class EngineLoop:
                 text = tok.decode(req.output_token_ids)[before:]
                 p.sent = len(req.output_token_ids)
                 done = req.status.is_finished
-                msg = ("tokens", new, text, _REASONS.get(req.status) if done else None, req)
+                msg = ("tokens", new, text, req.status.finish_reason, req)
                 p.loop.call_soon_threadsafe(p.updates.put_nowait, msg)
                 if done:
                     m = self.metrics
                     m.requests += 1
                     m.prompt_tokens += len(req.prompt_token_ids)
                     m.generation_tokens += len(req.output_token_ids)
-                    m.cached_tokens += max(0, req.num_cached_tokens)
+                    m.cached_tokens += req.num_cached_tokens or 0
                     m.external_tokens += req.num_external_tokens
                     del self._active[rid]
 
@@ -166,7 +159,7 @@ def _usage(req: Request) -> dict[str, Any]:
             "total_tokens": len(req.prompt_token_ids) + len(req.output_token_ids),
         },
         "kv_cache": {
-            "num_cached_tokens": max(0, req.num_cached_tokens),
+            "num_cached_tokens": req.num_cached_tokens or 0,
             "num_external_tokens": req.num_external_tokens,
         },
     }

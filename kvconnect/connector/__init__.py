@@ -1,9 +1,9 @@
-"""The KV connector framework: interface, aggregation, events in worker metadata, MultiConnector.
+"""The KV connector framework. See `base.py` for the contract and the per-step call order.
 
-See `base.py` for the contract and the per-step call order.
+This package re-exports the interface (`base`) and the registry only, so importing it imports
+no connector: `aggregator`, `events`, `multi`, `step` and `offload` are imported by name.
 """
 
-from kvconnect.connector.aggregator import KVOutputAggregator
 from kvconnect.connector.base import (
     ConnectorRequest,
     KVConnectorBase,
@@ -14,20 +14,13 @@ from kvconnect.connector.base import (
     KVConnectorStats,
     KVConnectorWorkerMetadata,
     NewRequestData,
+    ScheduledRequest,
     SchedulerOutput,
-)
-from kvconnect.connector.events import EventQuorum, KVEventsWorkerMetadata
-from kvconnect.connector.multi import (
-    MultiConnector,
-    MultiKVConnectorMetadata,
-    MultiKVConnectorStats,
-    MultiKVConnectorWorkerMetadata,
 )
 from kvconnect.connector.registry import KVConnectorFactory
 
 __all__ = [
     "ConnectorRequest",
-    "EventQuorum",
     "KVConnectorBase",
     "KVConnectorContext",
     "KVConnectorFactory",
@@ -36,12 +29,7 @@ __all__ = [
     "KVConnectorRole",
     "KVConnectorStats",
     "KVConnectorWorkerMetadata",
-    "KVEventsWorkerMetadata",
-    "KVOutputAggregator",
-    "MultiConnector",
-    "MultiKVConnectorMetadata",
-    "MultiKVConnectorStats",
-    "MultiKVConnectorWorkerMetadata",
     "NewRequestData",
+    "ScheduledRequest",
     "SchedulerOutput",
 ]

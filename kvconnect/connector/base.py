@@ -1,4 +1,4 @@
-"""The KV connector interface: roles, the two per-step metadata channels, the worker output.
+"""The KV connector interface: roles, the context a connector is built with, its hooks.
 
 A connector class is instantiated once per role and process: one SCHEDULER-role instance in
 the scheduler, one WORKER-role instance in each tensor-parallel worker. Method names and
@@ -22,22 +22,30 @@ One engine step, in this order (callers in brackets):
 Worker -> scheduler data travels only in `KVConnectorOutput`. Its slot for a connector's own
 state is `kv_connector_worker_meta` (a `KVConnectorWorkerMetadata`, folded across ranks with
 `aggregate`); KV cache events of worker-side connectors ride in it too (see `events.py`), so
-there is no events field. Scheduler-side and worker-side code share only these message types.
+there is no events field. Scheduler-side and worker-side code share only the message types
+of `kvconnect.messages` (re-exported here). `connector/step.py` runs the worker's part of a
+step in the order above; nothing else sequences those hooks.
 """
 
 from __future__ import annotations
 
 import enum
-import logging
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from kvconnect.config import KVTransferConfig
 from kvconnect.events import KVCacheEvent
-
-logger = logging.getLogger(__name__)
+from kvconnect.messages import (
+    KVConnectorMetadata,
+    KVConnectorOutput,
+    KVConnectorStats,
+    KVConnectorWorkerMetadata,
+    NewRequestData,
+    ScheduledRequest,
+    SchedulerOutput,
+)
 
 
 class KVConnectorRole(enum.Enum):
@@ -45,81 +53,6 @@ class KVConnectorRole(enum.Enum):
 
     SCHEDULER = 0
     WORKER = 1
-
-
-class KVConnectorMetadata:
-    """Scheduler -> worker, one per step, built by `build_connector_meta`. "None" is no data."""
-
-
-class KVConnectorWorkerMetadata(ABC):
-    """Worker -> scheduler, one per worker per step, built by `build_connector_worker_meta`.
-
-    The executor folds all workers' non-None objects of a step with `aggregate`, left to right
-    in rank order, before the scheduler-side connector sees the result. Make `aggregate`
-    associative and independent of order; carry rank identity inside when counts matter,
-    since nothing in the fold says how many workers contributed. Returning a new object and
-    mutating `self` are both allowed. Must be picklable (it crosses process boundaries).
-    """
-
-    @abstractmethod
-    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
-        """The fold of `self` and `other` (another worker's metadata of the same step)."""
-
-
-@dataclass
-class KVConnectorStats:
-    """Telemetry for the interval since the last report. The default merge adds numbers and
-    concatenates lists key by key; connectors with other needs subclass it."""
-
-    data: dict[str, Any] = field(default_factory=dict)
-
-    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
-        for key, value in other.data.items():
-            mine = self.data.get(key)
-            if mine is None:
-                self.data[key] = list(value) if isinstance(value, list) else value
-            elif isinstance(mine, list):
-                mine.extend(value)
-            else:
-                self.data[key] = mine + value
-        return self
-
-    def reduce(self) -> dict[str, int | float]:
-        """Flat numbers for metrics: lists become their length."""
-        return {k: len(v) if isinstance(v, list) else v for k, v in self.data.items()}
-
-    def reset(self) -> None:
-        self.data = {}
-
-    def is_empty(self) -> bool:
-        return not self.data
-
-
-@dataclass
-class KVConnectorOutput:
-    """What one worker (or, after aggregation, all workers) report for one step."""
-
-    finished_sending: set[str] | None = None
-    """Requests whose async save/send finished (after aggregation: on every worker)."""
-    finished_recving: set[str] | None = None
-    """Requests whose async load/receive finished (after aggregation: on every worker)."""
-    kv_connector_stats: KVConnectorStats | None = None
-    kv_connector_worker_meta: KVConnectorWorkerMetadata | None = None
-    """The connector's own worker -> scheduler data, events included."""
-    invalid_block_ids: set[int] = field(default_factory=set)
-    """Blocks whose external load failed; the scheduler recomputes them."""
-    expected_finished_count: int = 0
-    """0: no change. >0: how many worker reports a newly tracked request id needs."""
-
-    def is_empty(self) -> bool:
-        """True only when no field carries news (`expected_finished_count` is not news)."""
-        return not (
-            self.finished_sending
-            or self.finished_recving
-            or (self.kv_connector_stats is not None and not self.kv_connector_stats.is_empty())
-            or self.kv_connector_worker_meta is not None
-            or self.invalid_block_ids
-        )
 
 
 class ConnectorRequest(Protocol):
@@ -133,47 +66,6 @@ class ConnectorRequest(Protocol):
     def block_hashes(self) -> Sequence[bytes]: ...
     @property
     def kv_transfer_params(self) -> dict[str, Any] | None: ...
-
-
-class NewRequestData(Protocol):
-    """A request scheduled for the first time (or again after preemption), as connectors see it."""
-
-    @property
-    def request_id(self) -> str: ...
-    @property
-    def all_token_ids(self) -> Sequence[int]: ...
-    @property
-    def block_hashes(self) -> Sequence[bytes]: ...
-    @property
-    def block_ids(self) -> Sequence[int]: ...
-    @property
-    def num_computed_tokens(self) -> int: ...
-
-
-class ScheduledRequestData(Protocol):
-    """One request's work in a step: which tokens it computes and where its KV lives."""
-
-    @property
-    def request_id(self) -> str: ...
-    @property
-    def start_position(self) -> int: ...
-    @property
-    def token_ids(self) -> Sequence[int]: ...
-    @property
-    def block_ids(self) -> Sequence[int]: ...
-
-
-class SchedulerOutput(Protocol):
-    """What `build_connector_meta` may read from the scheduler's output of a step."""
-
-    @property
-    def scheduled(self) -> Sequence[ScheduledRequestData]: ...
-    @property
-    def scheduled_new_reqs(self) -> Sequence[NewRequestData]: ...
-    @property
-    def num_scheduled_tokens(self) -> Mapping[str, int]: ...
-    @property
-    def finished_req_ids(self) -> set[str]: ...
 
 
 @dataclass(frozen=True)
@@ -328,3 +220,18 @@ class KVConnectorBase(ABC):
     def reset_cache(self) -> bool | None:
         """Drop what the connector caches; False if it could not."""
         return None
+
+
+__all__ = [
+    "ConnectorRequest",
+    "KVConnectorBase",
+    "KVConnectorContext",
+    "KVConnectorMetadata",
+    "KVConnectorOutput",
+    "KVConnectorRole",
+    "KVConnectorStats",
+    "KVConnectorWorkerMetadata",
+    "NewRequestData",
+    "ScheduledRequest",
+    "SchedulerOutput",
+]

@@ -16,15 +16,22 @@ import time
 from dataclasses import replace
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
-from typing import Any
+from typing import TypeVar
 
 from kvconnect.connector.aggregator import KVOutputAggregator
-from kvconnect.connector.base import KVConnectorOutput
-from kvconnect.engine.outputs import SchedulerOutput
 from kvconnect.engine.shm_all_reduce import ShmAllReduceOwner
-from kvconnect.engine.worker import WorkerConfig, WorkerOutput, worker_main
+from kvconnect.engine.worker import (
+    WorkerConfig,
+    WorkerFailed,
+    WorkerOutput,
+    WorkerReady,
+    WorkerReply,
+    worker_main,
+)
+from kvconnect.messages import KVConnectorOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
+R = TypeVar("R", WorkerReady, WorkerOutput)
 
 
 class EngineDeadError(RuntimeError):
@@ -77,7 +84,7 @@ class Executor:
             self._conns.append(parent)
         try:
             for rank in range(tp):
-                self._recv(rank, start_timeout)
+                self._recv(rank, WorkerReady, start_timeout)
         except EngineDeadError:
             self.shutdown()
             raise
@@ -86,7 +93,7 @@ class Executor:
     def worker_pids(self) -> list[int | None]:
         return [p.pid for p in self._procs]
 
-    def _recv(self, rank: int, timeout: float) -> Any:
+    def _recv(self, rank: int, expected: type[R], timeout: float) -> R:
         conn = self._conns[rank]
         deadline = time.monotonic() + timeout
         while not conn.poll(0.05):
@@ -99,15 +106,19 @@ class Executor:
                 self._dead = True
                 raise EngineDeadError(f"worker {rank} did not answer within {timeout:.0f}s")
         try:
-            kind, payload = conn.recv()
+            reply: WorkerReply = conn.recv()
         except (EOFError, OSError) as e:
             self._dead = True
             raise EngineDeadError(f"worker {rank} went away: {e!r}") from e
-        if kind == "error":
+        if isinstance(reply, WorkerFailed):
             self._dead = True
-            last = payload.strip().splitlines()[-1]
-            raise EngineDeadError(f"{self._dead_workers()}worker {rank} failed: {last}\n{payload}")
-        return payload
+            raise EngineDeadError(
+                f"{self._dead_workers()}worker {rank} failed: {reply.last_line}\n{reply.traceback}"
+            )
+        if not isinstance(reply, expected):
+            self._dead = True
+            raise EngineDeadError(f"worker {rank} sent {type(reply).__name__}, not {expected}")
+        return reply
 
     def _dead_workers(self) -> str:
         """Which workers have died, as the root cause to put first in an error."""
@@ -120,19 +131,19 @@ class Executor:
         return "".join(dead)
 
     def execute_model(
-        self, out: SchedulerOutput
+        self, scheduler_output: SchedulerOutput
     ) -> tuple[dict[str, int], KVConnectorOutput | None]:
         """Run one step on every worker: (sampled tokens, the workers' folded connector output)."""
         if self._dead:
             raise EngineDeadError("the engine's workers are gone")
         for rank, conn in enumerate(self._conns):
             try:
-                conn.send(out)
+                conn.send(scheduler_output)
             except (BrokenPipeError, OSError) as e:
                 self._dead = True
                 raise EngineDeadError(f"worker {rank} went away: {e!r}") from e
-        results: list[WorkerOutput] = [
-            self._recv(rank, self.step_timeout) for rank in range(len(self._conns))
+        results = [
+            self._recv(rank, WorkerOutput, self.step_timeout) for rank in range(len(self._conns))
         ]
         kv_output = None
         if self._has_connector:

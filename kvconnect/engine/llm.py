@@ -21,13 +21,7 @@ from kvconnect.connector.base import KVConnectorBase, KVConnectorRole
 from kvconnect.connector.registry import KVConnectorFactory
 from kvconnect.engine.block_pool import BlockPool
 from kvconnect.engine.executor import EngineDeadError, Executor
-from kvconnect.engine.request import (
-    CompletionOutput,
-    Request,
-    RequestOutput,
-    RequestStatus,
-    SamplingParams,
-)
+from kvconnect.engine.request import CompletionOutput, Request, RequestOutput, SamplingParams
 from kvconnect.engine.scheduler import Scheduler, SchedulerConfig
 from kvconnect.engine.worker import WorkerConfig
 from kvconnect.model.loader import load_model_info
@@ -37,13 +31,6 @@ logger = logging.getLogger(__name__)
 
 C = TypeVar("C", KVEventsConfig, KVTransferConfig)
 Prompt = str | Sequence[int]
-
-_FINISH_REASONS = {
-    RequestStatus.FINISHED_STOPPED: "stop",
-    RequestStatus.FINISHED_LENGTH: "length",
-    RequestStatus.FINISHED_ABORTED: "abort",
-    RequestStatus.FINISHED_ERROR: "error",
-}
 
 
 def as_config(cls: type[C], value: C | Mapping[str, Any] | str | None) -> C | None:
@@ -165,18 +152,18 @@ class LLM:
 
     def step(self) -> list[Request]:
         """One engine step; returns the requests that finished in it."""
-        out = self.scheduler.schedule()
+        scheduler_output = self.scheduler.schedule()
         try:
-            sampled, kv_output = self.executor.execute_model(out)
+            sampled, kv_output = self.executor.execute_model(scheduler_output)
         except EngineDeadError as e:
             self._fail_all(str(e))
             raise
-        finished = self.scheduler.update_from_output(out, sampled, kv_output)
-        if not out.scheduled:
-            if out.stuck_req_id is not None:
+        finished = self.scheduler.update_from_output(scheduler_output, sampled, kv_output)
+        if not scheduler_output.scheduled:
+            if scheduler_output.stuck_req_id is not None:
                 raise RuntimeError(
-                    f"request {out.stuck_req_id!r} can never be scheduled: it needs more KV "
-                    f"blocks than the pool has ({self.scheduler.pool.num_blocks})"
+                    f"request {scheduler_output.stuck_req_id!r} can never be scheduled: it "
+                    f"needs more KV blocks than the pool has ({self.scheduler.pool.num_blocks})"
                 )
             time.sleep(0.001)  # only transfers are in flight
         return finished
@@ -216,11 +203,11 @@ class LLM:
                     0,
                     self.tokenizer.decode(req.output_token_ids),
                     list(req.output_token_ids),
-                    _FINISH_REASONS.get(req.status),
+                    req.status.finish_reason,
                 )
             ],
             finished=req.status.is_finished,
-            num_cached_tokens=max(0, req.num_cached_tokens),
+            num_cached_tokens=req.num_cached_tokens or 0,
             num_external_tokens=req.num_external_tokens,
             kv_transfer_params=req.kv_transfer_params,
         )

@@ -42,6 +42,19 @@ class RequestStatus(enum.Enum):
     def is_finished(self) -> bool:
         return self.value.startswith("finished")
 
+    @property
+    def finish_reason(self) -> str | None:
+        """OpenAI's name for how a finished request ended; None while it runs."""
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+
 
 class Request:
     """One generation request as the scheduler tracks it."""
@@ -70,8 +83,10 @@ class Request:
         self.kv_transfer_params = kv_transfer_params
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
-        self.num_cached_tokens = -1  # engine prefix-cache hits at first schedule
-        self.num_external_tokens = 0  # tokens a connector loaded
+        self.num_cached_tokens: int | None = None
+        """Prompt tokens found in the engine's prefix cache; None until first scheduled."""
+        self.num_external_tokens = 0
+        """Prompt tokens a connector loaded."""
         self.num_preemptions = 0
         self.error: str | None = None
         self._hasher = RequestBlockHasher(

@@ -19,6 +19,7 @@ comes back in `finished_recving`; requests whose async save is running keep thei
 
 from __future__ import annotations
 
+import enum
 import logging
 import time
 import zlib
@@ -26,21 +27,41 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-from kvconnect.connector.base import (
-    KVConnectorBase,
-    KVConnectorOutput,
-    KVConnectorStats,
-)
+from kvconnect.connector.base import KVConnectorBase
 from kvconnect.engine.block_pool import BlockPool, KVCacheBlock
 from kvconnect.engine.kv_cache_manager import KVCacheManager
-from kvconnect.engine.outputs import NewRequestData, ScheduledRequest, SchedulerOutput
 from kvconnect.engine.request import Request, RequestStatus
 from kvconnect.events import KVEventBatch
+from kvconnect.messages import (
+    KVConnectorOutput,
+    KVConnectorStats,
+    NewRequestData,
+    ScheduledRequest,
+    SchedulerOutput,
+)
 from kvconnect.publisher import EventPublisher, NullEventPublisher
 
 logger = logging.getLogger(__name__)
 
-_SKIPPED, _PARKED = -1, -2  # outcomes of _admit besides "took N tokens" and "does not fit"
+
+class AdmissionOutcome(enum.Enum):
+    """What happened to a waiting request this step."""
+
+    SCHEDULED = "scheduled"
+    """Running from this step on; `num_tokens` of its tokens are computed this step."""
+    LOADING = "loading"
+    """Blocks allocated; it waits for the connector's async load (WAITING_FOR_REMOTE_KVS)."""
+    UNDECIDED = "undecided"
+    """The connector is still looking for it: ask again next step."""
+    NO_ROOM = "no_room"
+    """Not enough free blocks (or token budget, without chunked prefill)."""
+
+
+@dataclass(frozen=True)
+class Admission:
+    outcome: AdmissionOutcome
+    num_tokens: int = 0
+    """Tokens of the step's budget it took (SCHEDULED only)."""
 
 
 @dataclass(frozen=True)
@@ -75,7 +96,7 @@ class Scheduler:
     ) -> None:
         self.config = config
         self.pool = pool
-        self.kv = KVCacheManager(pool)
+        self.kv_cache_manager = KVCacheManager(pool)
         self.block_size = pool.block_size
         self.connector = connector
         self.publisher = publisher or NullEventPublisher()
@@ -131,10 +152,20 @@ class Scheduler:
     # -- schedule -----------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
-        budget = self.config.max_num_batched_tokens
+        scheduler_output = SchedulerOutput()
         self._promote_finished_loads()
+        budget = self._schedule_running(scheduler_output, self.config.max_num_batched_tokens)
+        self._schedule_waiting(scheduler_output, budget)
+        scheduler_output.finished_req_ids, self._finished_req_ids = self._finished_req_ids, set()
+        if self.connector is not None:
+            scheduler_output.kv_connector_metadata = self.connector.build_connector_meta(
+                scheduler_output
+            )
+        return scheduler_output
 
+    def _schedule_running(self, scheduler_output: SchedulerOutput, budget: int) -> int:
+        """Decode steps and further prefill chunks, preempting the newest request when blocks
+        run out. Returns the budget left."""
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -143,85 +174,84 @@ class Scheduler:
                 i += 1
                 continue
             num_new = min(num_new, budget)
-            block_ids = self.kv.allocate_slots(req, req.num_computed_tokens + num_new)
+            block_ids = self.kv_cache_manager.allocate_slots(req, req.num_computed_tokens + num_new)
             while block_ids is None:
                 victim = self.running.pop()
-                self._preempt(victim, out)
+                self._preempt(victim, scheduler_output)
                 if victim is req:
                     break
-                block_ids = self.kv.allocate_slots(req, req.num_computed_tokens + num_new)
+                block_ids = self.kv_cache_manager.allocate_slots(
+                    req, req.num_computed_tokens + num_new
+                )
             if block_ids is None:
                 break
-            self._add_scheduled(out, req, num_new, block_ids)
+            self._add_scheduled(scheduler_output, req, num_new, block_ids)
             budget -= num_new
             i += 1
+        return budget
 
-        skipped: list[Request] = []
+    def _schedule_waiting(self, scheduler_output: SchedulerOutput, budget: int) -> None:
+        """Admit waiting requests in order while budget, blocks and sequence slots last."""
+        undecided: list[Request] = []
         while (
             self.waiting
             and budget > 0
-            and not out.preempted_req_ids
+            and not scheduler_output.preempted_req_ids
             and len(self.running) < self.config.max_num_seqs
         ):
             req = self.waiting[0]
-            admitted = self._admit(req, budget, out)
-            if admitted is None:  # out of blocks (or budget, without chunked prefill)
+            admission = self._admit(req, budget, scheduler_output)
+            if admission.outcome is AdmissionOutcome.NO_ROOM:
                 if not self.running and not self._remote_waiting and not self._saving:
-                    out.stuck_req_id = req.request_id
+                    scheduler_output.stuck_req_id = req.request_id
                 break
             self.waiting.popleft()
-            if admitted == _SKIPPED:
-                skipped.append(req)  # the connector is still looking: ask again next step
-            elif admitted != _PARKED:
-                budget -= admitted
-        self.waiting.extendleft(reversed(skipped))
+            if admission.outcome is AdmissionOutcome.UNDECIDED:
+                undecided.append(req)
+            budget -= admission.num_tokens
+        self.waiting.extendleft(reversed(undecided))
 
-        out.finished_req_ids, self._finished_req_ids = self._finished_req_ids, set()
-        if self.connector is not None:
-            out.kv_connector_metadata = self.connector.build_connector_meta(out)
-        return out
-
-    def _admit(self, req: Request, budget: int, out: SchedulerOutput) -> int | None:
-        """Schedule a waiting request. Returns the tokens it took, `_SKIPPED` (the connector
-        is undecided), `_PARKED` (waiting for an async load), or None if it does not fit."""
+    def _admit(self, req: Request, budget: int, scheduler_output: SchedulerOutput) -> Admission:
+        """Try to schedule the waiting request `req` within `budget` tokens."""
         hits: list[KVCacheBlock] = []
         num_local = req.num_computed_tokens
         num_external, load_async = 0, False
-        if req.num_computed_tokens == 0:  # not a request promoted after an async load
-            hits, num_local = self.kv.get_computed_blocks(req)
+        first_admission = req.num_computed_tokens == 0  # not promoted after an async load
+        if first_admission:
+            hits, num_local = self.kv_cache_manager.get_computed_blocks(req)
             if self.connector is not None:
                 matched, load_async = self.connector.get_num_new_matched_tokens(req, num_local)
                 if matched is None:
-                    return _SKIPPED
+                    return Admission(AdmissionOutcome.UNDECIDED)
                 num_external = matched
         num_computed = num_local + num_external
         if load_async:
-            block_ids = self.kv.allocate_slots(req, num_computed, hits)
+            block_ids = self.kv_cache_manager.allocate_slots(req, num_computed, hits)
             if block_ids is None:
-                return None
+                return Admission(AdmissionOutcome.NO_ROOM)
             assert self.connector is not None
             self.connector.update_state_after_alloc(req, block_ids, num_external)
             self._record_hits(req, num_local, num_external)
             req.num_computed_tokens = num_computed
             req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
             self._remote_waiting[req.request_id] = req
-            return _PARKED
+            return Admission(AdmissionOutcome.LOADING)
         num_new = req.num_tokens - num_computed
         if num_new > budget:
             if not self.config.enable_chunked_prefill:
-                return None
+                return Admission(AdmissionOutcome.NO_ROOM)
             num_new = budget
-        block_ids = self.kv.allocate_slots(req, num_computed + num_new, hits)
+        block_ids = self.kv_cache_manager.allocate_slots(req, num_computed + num_new, hits)
         if block_ids is None:
-            return None
-        if self.connector is not None and req.num_computed_tokens == 0:
-            self.connector.update_state_after_alloc(req, block_ids, num_external)
-        if req.num_computed_tokens == 0:
+            return Admission(AdmissionOutcome.NO_ROOM)
+        if first_admission:
+            if self.connector is not None:
+                self.connector.update_state_after_alloc(req, block_ids, num_external)
             self._record_hits(req, num_local, num_external)
         req.num_computed_tokens = num_computed
         req.status = RequestStatus.RUNNING
         self.running.append(req)
-        out.scheduled_new_reqs.append(
+        scheduler_output.scheduled_new_reqs.append(
             NewRequestData(
                 req.request_id,
                 list(req.all_token_ids),
@@ -230,11 +260,11 @@ class Scheduler:
                 num_computed,
             )
         )
-        self._add_scheduled(out, req, num_new, block_ids)
-        return num_new
+        self._add_scheduled(scheduler_output, req, num_new, block_ids)
+        return Admission(AdmissionOutcome.SCHEDULED, num_new)
 
     def _record_hits(self, req: Request, num_local: int, num_external: int) -> None:
-        if req.num_cached_tokens < 0:  # the first admission, not a re-admission
+        if req.num_cached_tokens is None:  # the first admission, not a re-admission
             req.num_cached_tokens = num_local
             req.num_external_tokens = num_external
             self.stats.num_prompt_tokens += len(req.prompt_token_ids)
@@ -242,11 +272,11 @@ class Scheduler:
             self.stats.num_external_tokens += num_external
 
     def _add_scheduled(
-        self, out: SchedulerOutput, req: Request, num_new: int, block_ids: list[int]
+        self, scheduler_output: SchedulerOutput, req: Request, num_new: int, block_ids: list[int]
     ) -> None:
         start = req.num_computed_tokens
         params = req.sampling_params
-        out.scheduled.append(
+        scheduler_output.scheduled.append(
             ScheduledRequest(
                 request_id=req.request_id,
                 token_ids=req.all_token_ids[start : start + num_new],
@@ -260,27 +290,29 @@ class Scheduler:
                 num_output_tokens=len(req.output_token_ids),
             )
         )
-        out.num_scheduled_tokens[req.request_id] = num_new
+        scheduler_output.num_scheduled_tokens[req.request_id] = num_new
 
-    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+    def _preempt(self, req: Request, scheduler_output: SchedulerOutput) -> None:
         """Free the request's blocks; it starts over (its cached prefix may survive)."""
-        self.kv.free(req.request_id)
+        self.kv_cache_manager.free(req.request_id)
         req.num_computed_tokens = 0
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
         self.stats.num_preemptions += 1
         self.waiting.appendleft(req)
-        out.preempted_req_ids.add(req.request_id)
-        if req.request_id in out.num_scheduled_tokens:  # scheduled earlier in this step
-            del out.num_scheduled_tokens[req.request_id]
-            out.scheduled = [s for s in out.scheduled if s.request_id != req.request_id]
+        scheduler_output.preempted_req_ids.add(req.request_id)
+        if req.request_id in scheduler_output.num_scheduled_tokens:  # scheduled earlier
+            del scheduler_output.num_scheduled_tokens[req.request_id]
+            scheduler_output.scheduled = [
+                s for s in scheduler_output.scheduled if s.request_id != req.request_id
+            ]
 
     def _promote_finished_loads(self) -> None:
         for req_id in self._finished_recving:
             req = self._remote_waiting.pop(req_id, None)
             if req is None:
                 continue
-            self.kv.cache_blocks(req, req.num_computed_tokens)
+            self.kv_cache_manager.cache_blocks(req, req.num_computed_tokens)
             req.status = RequestStatus.WAITING
             self.waiting.appendleft(req)
         self._finished_recving.clear()
@@ -289,20 +321,35 @@ class Scheduler:
 
     def update_from_output(
         self,
-        out: SchedulerOutput,
+        scheduler_output: SchedulerOutput,
         sampled: dict[str, int],
         kv_output: KVConnectorOutput | None,
     ) -> list[Request]:
         """Apply a finished step; returns the requests that finished in it."""
         invalid = kv_output.invalid_block_ids if kv_output is not None else set()
-        redo = self._handle_invalid_blocks(invalid) if invalid else set()
+        recompute = self._handle_invalid_blocks(invalid) if invalid else set()
+        finished = self._advance_requests(scheduler_output, sampled, recompute)
+        if self.connector is not None:
+            self._apply_connector_output(kv_output or KVConnectorOutput())
+        self._publish_events()
+        return finished
+
+    def _advance_requests(
+        self, scheduler_output: SchedulerOutput, sampled: dict[str, int], recompute: set[str]
+    ) -> list[Request]:
+        """Computed tokens move on, full blocks enter the prefix cache, sampled tokens are
+        appended and stop conditions checked."""
         finished: list[Request] = []
-        for sched in out.scheduled:
+        for sched in scheduler_output.scheduled:
             req = self.requests.get(sched.request_id)
-            if req is None or req.status is not RequestStatus.RUNNING or req.request_id in redo:
+            if (
+                req is None
+                or req.status is not RequestStatus.RUNNING
+                or req.request_id in recompute
+            ):
                 continue
             req.num_computed_tokens += len(sched.token_ids)
-            self.kv.cache_blocks(req, req.num_computed_tokens)
+            self.kv_cache_manager.cache_blocks(req, req.num_computed_tokens)
             if sched.sample:
                 req.append_output_token(sampled[req.request_id])
                 status = req.check_stop()
@@ -310,21 +357,23 @@ class Scheduler:
                     self.running.remove(req)
                     self._finish(req, status)
                     finished.append(req)
-        if self.connector is not None:
-            kv_output = kv_output or KVConnectorOutput()
-            if kv_output.kv_connector_stats is not None:
-                self._add_connector_stats(kv_output.kv_connector_stats)
-            self.connector.update_connector_output(kv_output)
-            self._finished_recving |= kv_output.finished_recving or set()
-            for req_id in kv_output.finished_recving or ():
-                if req_id in self._aborted_loading:
-                    self._aborted_loading.discard(req_id)
-                    self.kv.free(req_id)
-            for req_id in kv_output.finished_sending or ():
-                if self._saving.pop(req_id, None) is not None:
-                    self.kv.free(req_id)
-        self._publish_events()
         return finished
+
+    def _apply_connector_output(self, kv_output: KVConnectorOutput) -> None:
+        """The workers' folded connector output: stats, the connector's own state, finished
+        loads (promoted next step) and finished saves (their blocks are freed)."""
+        assert self.connector is not None
+        if kv_output.kv_connector_stats is not None:
+            self._add_connector_stats(kv_output.kv_connector_stats)
+        self.connector.update_connector_output(kv_output)
+        self._finished_recving |= kv_output.finished_recving or set()
+        for req_id in kv_output.finished_recving or ():
+            if req_id in self._aborted_loading:
+                self._aborted_loading.discard(req_id)
+                self.kv_cache_manager.free(req_id)
+        for req_id in kv_output.finished_sending or ():
+            if self._saving.pop(req_id, None) is not None:
+                self.kv_cache_manager.free(req_id)
 
     def _add_connector_stats(self, stats: KVConnectorStats) -> None:
         """Totals since start (the workers report per-step deltas)."""
@@ -336,12 +385,12 @@ class Scheduler:
         """Requests whose blocks failed to load recompute from the first bad block."""
         affected: set[str] = set()
         for req in [*self.running, *self._remote_waiting.values()]:
-            ids = self.kv.block_ids(req.request_id)
+            ids = self.kv_cache_manager.block_ids(req.request_id)
             bad = next((i for i, b in enumerate(ids) if b in invalid), None)
             if bad is None:
                 continue
             req.num_computed_tokens = min(req.num_computed_tokens, bad * self.block_size)
-            self.kv.truncate_computed(req, bad)
+            self.kv_cache_manager.truncate_computed(req, bad)
             affected.add(req.request_id)
             self.stats.num_recomputed_blocks += len(ids) - bad
         self.pool.evict_blocks(invalid)
@@ -365,12 +414,14 @@ class Scheduler:
         del self.requests[req.request_id]
         hold = False
         if self.connector is not None:
-            hold, params = self.connector.request_finished(req, self.kv.block_ids(req.request_id))
+            hold, params = self.connector.request_finished(
+                req, self.kv_cache_manager.block_ids(req.request_id)
+            )
             req.kv_transfer_params = params
         if hold:
             self._saving[req.request_id] = req
         elif free:
-            self.kv.free(req.request_id)
+            self.kv_cache_manager.free(req.request_id)
 
     def _publish_events(self) -> None:
         events: list[Any] = self.pool.take_events()
@@ -394,4 +445,6 @@ class Scheduler:
             r.request_id for r in [*self.waiting, *self.running, *self._remote_waiting.values()]
         }
         assert live <= set(self.requests), "a queued request is not tracked"
-        assert self.kv.num_requests <= len(live) + len(held), "blocks held by unknown requests"
+        assert self.kv_cache_manager.num_requests <= len(live) + len(held), (
+            "blocks held by unknown requests"
+        )

@@ -1,14 +1,13 @@
 """A tensor-parallel worker: its model shard, its paged KV cache shard, its connector.
 
-Runs in its own process (`worker_main`), driven over a pipe by the executor. One step, in
-vLLM's order:
+Runs in its own process (`worker_main`), driven over a pipe by the executor:
 
-    bind_connector_metadata, start_load_kv
-    forward: per layer  wait_for_layer_load -> attention -> save_kv_layer
-    wait_for_save, get_finished, get_block_ids_with_load_errors, get_kv_connector_stats,
-    build_connector_worker_meta, clear_connector_metadata
+    executor -> worker   SchedulerOutput (one per step), None (stop)
+    worker -> executor   WorkerReady once, then a WorkerOutput per step, or WorkerFailed
 
-Rank 0 samples the next tokens; every rank returns its `KVConnectorOutput`.
+The connector's part of a step runs through `connector.step.run_worker_step`, in vLLM's order,
+with the forward pass inside it. Rank 0 samples the next tokens; every rank returns its
+`KVConnectorOutput`.
 """
 
 from __future__ import annotations
@@ -19,22 +18,17 @@ import traceback
 from dataclasses import dataclass, field
 from datetime import timedelta
 from multiprocessing.connection import Connection
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from kvconnect.config import KVTransferConfig
-from kvconnect.connector.base import (
-    KVConnectorBase,
-    KVConnectorContext,
-    KVConnectorOutput,
-    KVConnectorRole,
-)
+from kvconnect.connector.base import KVConnectorBase, KVConnectorContext, KVConnectorRole
 from kvconnect.connector.registry import KVConnectorFactory
-from kvconnect.engine.outputs import SchedulerOutput
+from kvconnect.connector.step import run_worker_step
 from kvconnect.engine.shm_all_reduce import ShmAllReduce, ShmAllReduceHandle
-from kvconnect.model.llama import AttentionMetadata
+from kvconnect.messages import KVConnectorOutput, SchedulerOutput
+from kvconnect.model.llama import AttentionMetadata, LayerHooks
 from kvconnect.model.loader import load_model
 
 
@@ -73,10 +67,34 @@ class WorkerConfig:
 
 
 @dataclass
+class WorkerReady:
+    """The worker loaded its shard and waits for steps."""
+
+    pid: int
+
+
+@dataclass
 class WorkerOutput:
+    """One step's result."""
+
     sampled: dict[str, int] = field(default_factory=dict)
     """Next token per sampling request (rank 0 only)."""
     kv_connector_output: KVConnectorOutput | None = None
+
+
+@dataclass
+class WorkerFailed:
+    """The worker raised; it stops after sending this."""
+
+    traceback: str
+
+    @property
+    def last_line(self) -> str:
+        lines = self.traceback.strip().splitlines()
+        return lines[-1] if lines else "(no traceback)"
+
+
+WorkerReply = WorkerReady | WorkerOutput | WorkerFailed
 
 
 @dataclass
@@ -85,17 +103,6 @@ class ForwardContext:
 
     kv_caches: dict[str, torch.Tensor]
     attn_metadata: AttentionMetadata | None
-
-
-class _ConnectorHooks:
-    def __init__(self, connector: KVConnectorBase, meta: AttentionMetadata) -> None:
-        self.connector, self.meta = connector, meta
-
-    def before_attention(self, layer_name: str) -> None:
-        self.connector.wait_for_layer_load(layer_name)
-
-    def after_attention(self, layer_name: str, kv_cache: torch.Tensor) -> None:
-        self.connector.save_kv_layer(layer_name, kv_cache, self.meta)
 
 
 class ModelRunner:
@@ -121,14 +128,14 @@ class ModelRunner:
             self.connector.register_kv_caches(self.kv_caches_by_name)
 
     def _prepare(
-        self, out: SchedulerOutput
+        self, scheduler_output: SchedulerOutput
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         bs = self.config.block_size
         token_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         query_lens, context_lens, tables = [], [], []
-        for s in out.scheduled:
+        for s in scheduler_output.scheduled:
             n = len(s.token_ids)
             token_ids += s.token_ids
             pos = range(s.start_position, s.start_position + n)
@@ -143,41 +150,36 @@ class ModelRunner:
         return torch.tensor(token_ids), torch.tensor(positions), meta
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> WorkerOutput:
-        c = self.connector
-        prepared = self._prepare(out) if out.scheduled else None
-        if c is not None:
-            assert out.kv_connector_metadata is not None
-            c.bind_connector_metadata(out.kv_connector_metadata)
-            c.start_load_kv(ForwardContext(self.kv_caches_by_name, prepared and prepared[2]))
-        result = WorkerOutput()
-        if prepared is not None:
+    def execute(self, scheduler_output: SchedulerOutput) -> WorkerOutput:
+        prepared = self._prepare(scheduler_output) if scheduler_output.scheduled else None
+        attn_metadata = prepared[2] if prepared is not None else None
+
+        def forward(hooks: LayerHooks | None) -> dict[str, int]:
+            if prepared is None:
+                return {}
             input_ids, positions, meta = prepared
-            hooks = _ConnectorHooks(c, meta) if c is not None else None
             hidden = self.model(input_ids, positions, self.kv_caches, meta, hooks)
-            if self.rank == 0:
-                result.sampled = self._sample(out, hidden, meta)
-        if c is not None:
-            c.wait_for_save()
-            sending, recving = c.get_finished(out.finished_req_ids)
-            result.kv_connector_output = KVConnectorOutput(
-                finished_sending=sending,
-                finished_recving=recving,
-                invalid_block_ids=c.get_block_ids_with_load_errors(),
-                kv_connector_stats=c.get_kv_connector_stats(),
-                kv_connector_worker_meta=c.build_connector_worker_meta(),
-            )
-            c.clear_connector_metadata()
-            if result.kv_connector_output.is_empty():
-                result.kv_connector_output = None
-        return result
+            return self._sample(scheduler_output, hidden, meta) if self.rank == 0 else {}
+
+        if self.connector is None:
+            return WorkerOutput(forward(None))
+        assert scheduler_output.kv_connector_metadata is not None
+        sampled, kv_output = run_worker_step(
+            self.connector,
+            scheduler_output.kv_connector_metadata,
+            scheduler_output.finished_req_ids,
+            forward,
+            forward_context=ForwardContext(self.kv_caches_by_name, attn_metadata),
+            attn_metadata=attn_metadata,
+        )
+        return WorkerOutput(sampled, kv_output)
 
     def _sample(
-        self, out: SchedulerOutput, hidden: torch.Tensor, meta: AttentionMetadata
+        self, scheduler_output: SchedulerOutput, hidden: torch.Tensor, meta: AttentionMetadata
     ) -> dict[str, int]:
         rows, reqs = [], []
         end = 0
-        for s, n in zip(out.scheduled, meta.query_lens, strict=True):
+        for s, n in zip(scheduler_output.scheduled, meta.query_lens, strict=True):
             end += n
             if s.sample:
                 rows.append(end - 1)
@@ -219,17 +221,19 @@ def worker_main(config: WorkerConfig, rank: int, conn: Connection) -> None:
                 timeout=timedelta(seconds=60),
             )
         runner = ModelRunner(config, rank)
-        conn.send(("ready", os.getpid()))
+        reply: WorkerReply = WorkerReady(os.getpid())
+        conn.send(reply)
         while True:
-            msg: Any = conn.recv()
+            msg: SchedulerOutput | None = conn.recv()
             if msg is None:
                 break
-            conn.send(("ok", runner.execute(msg)))
+            reply = runner.execute(msg)
+            conn.send(reply)
     except (EOFError, KeyboardInterrupt, BrokenPipeError):
         pass  # the engine went away
     except BaseException:
         with contextlib.suppress(OSError, EOFError):
-            conn.send(("error", traceback.format_exc()))
+            conn.send(WorkerFailed(traceback.format_exc()))
     finally:
         if runner is not None:
             runner.shutdown()

@@ -1,3 +1,2 @@
-"""The Llama-style model (`llama`), its configs (`config`), weight loading (`loader`) and
-tokenizers (`tokenizer`). Import the submodules: `tokenizer` and `config` need no torch, so the
-router can use them."""
+"""The Llama-style model (`llama`), its configs (`config`) and weight loading (`loader`).
+Import the submodules: `config` needs no torch. Tokenizers live in `kvconnect.tokenizer`."""

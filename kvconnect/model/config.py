@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
+from kvconnect.tokenizer import BYTE_EOS
+
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
 
 
@@ -89,7 +91,6 @@ class ModelConfig:
 
 
 # Byte-level vocabulary: 256 bytes, then BOS and EOS.
-TINY_BOS, TINY_EOS = 256, 257
 TINY = ModelConfig(
     vocab_size=258,
     hidden_size=256,
@@ -98,5 +99,5 @@ TINY = ModelConfig(
     num_attention_heads=8,
     num_key_value_heads=4,
     max_position_embeddings=8192,
-    eos_token_id=TINY_EOS,
+    eos_token_id=BYTE_EOS,
 )

@@ -19,7 +19,7 @@ import torch
 
 from kvconnect.model.config import TINY, ModelConfig
 from kvconnect.model.llama import LlamaForCausalLM
-from kvconnect.model.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+from kvconnect.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 
 _ROW_SHARDED = (
     "q_proj.weight",
@@ -112,9 +112,7 @@ def load_model_info(model: str) -> tuple[ModelConfig, Tokenizer]:
     if not (path / "config.json").is_file():
         raise ValueError(f"model {model!r}: not 'tiny' and no config.json in that directory")
     config = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
-    if not (path / "tokenizer.json").is_file():
-        raise ValueError(f"model {model!r}: no tokenizer.json")
-    return config, HFTokenizer(path / "tokenizer.json", config.eos_token_id)
+    return config, load_tokenizer(model, config.eos_token_id)
 
 
 def load_checkpoint(

@@ -2,6 +2,9 @@
 
     entries:  block hash -> {(instance slot, generation, medium): count}     (LRU ordered)
 
+An instance is named once, when it is registered (`add_instance`; the router uses its URL), and
+that one name is used by the index, the scorer, metrics and logs.
+
 - Counts, not flags: one hash may be stored in several blocks and removed several times.
 - Each instance's events are applied in its seq order (the subscriber guarantees it).
 - Clearing an instance (AllBlocksCleared, a publisher restart, lost events) bumps its
@@ -38,12 +41,6 @@ logger = logging.getLogger(__name__)
 DEFAULT_TIER_WEIGHTS = {"GPU": 1.0, "CPU": 0.8, "DISK": 0.5, "EXTERNAL": 0.3}
 
 
-@dataclass(frozen=True)
-class InstanceId:
-    endpoint: str
-    data_parallel_rank: int | None = None
-
-
 @dataclass
 class PrefixScore:
     """What one instance can serve of a request's prefix."""
@@ -57,6 +54,7 @@ class PrefixScore:
 
 @dataclass
 class _Instance:
+    name: str
     slot: int
     generation: int = 0
     stale: bool = False
@@ -91,8 +89,8 @@ class BlockIndex:
         self.max_entries = max_entries
         self.tier_weights = dict(DEFAULT_TIER_WEIGHTS if tier_weights is None else tier_weights)
         self.external_shared = external_shared
-        self.instances: dict[InstanceId, _Instance] = {}
-        self._by_slot: list[InstanceId] = []
+        self.instances: dict[str, _Instance] = {}
+        self._by_slot: list[_Instance] = []
         self._entries: OrderedDict[ExternalBlockHash, dict[tuple[int, int, str], int]] = (
             OrderedDict()
         )
@@ -102,43 +100,48 @@ class BlockIndex:
     def num_entries(self) -> int:
         return len(self._entries)
 
-    def _instance(self, iid: InstanceId) -> _Instance:
-        inst = self.instances.get(iid)
+    def add_instance(self, name: str) -> None:
+        """Register an instance under `name` (idempotent); events name it from then on."""
+        if name not in self.instances:
+            inst = self.instances[name] = _Instance(name, len(self._by_slot))
+            self._by_slot.append(inst)
+
+    def _instance(self, name: str) -> _Instance:
+        inst = self.instances.get(name)
         if inst is None:
-            inst = self.instances[iid] = _Instance(len(self._by_slot))
-            self._by_slot.append(iid)
+            self.add_instance(name)
+            inst = self.instances[name]
         return inst
 
     # -- applying events ------------------------------------------------------------------------
 
-    def apply_item(self, endpoint: str, item: SubscriberItem) -> None:
-        """Apply what a `KVEventSubscriber` yielded for the instance at `endpoint`."""
+    def apply_item(self, instance: str, item: SubscriberItem) -> None:
+        """Apply what a `KVEventSubscriber` yielded for `instance`'s stream."""
         if isinstance(item, ReceivedBatch):
-            self.apply_batch(InstanceId(endpoint, item.batch.data_parallel_rank), item.batch)
+            self.apply_batch(instance, item.batch)
         elif isinstance(item, PublisherRestarted):
             self.stats.restarts += 1
-            self.clear_instance(InstanceId(endpoint, item.stream.data_parallel_rank))
+            self.clear_instance(instance)
         elif isinstance(item, EventsLost):
             # Missed removals could make old entries lie: drop them; fresh events rebuild.
             self.stats.gaps_lost += 1
-            iid = InstanceId(endpoint, item.stream.data_parallel_rank)
-            self.clear_instance(iid)
-            self._instance(iid).stale = True
+            self.clear_instance(instance)
+            self._instance(instance).stale = True
 
-    def apply_batch(self, iid: InstanceId, batch: KVEventBatch) -> None:
-        inst = self._instance(iid)
+    def apply_batch(self, instance: str, batch: KVEventBatch) -> None:
+        inst = self._instance(instance)
         self.stats.batches_applied += 1
         for event in batch.events:
             self.stats.events_applied += 1
             if isinstance(event, BlockStored):
-                self._check_hashes(iid, inst, event)
+                self._check_hashes(inst, event)
                 self._store(event.block_hashes, (inst.slot, inst.generation, event.medium or "GPU"))
             elif isinstance(event, BlockRemoved):
                 key_medium = event.medium or "GPU"
                 for h in event.block_hashes:
                     self._remove(h, (inst.slot, inst.generation, key_medium))
             elif isinstance(event, AllBlocksCleared):
-                self.clear_instance(iid)
+                self.clear_instance(instance)
                 inst.stale = False  # a full clear is a resync point
 
     def _store(self, hashes: list[ExternalBlockHash], key: tuple[int, int, str]) -> None:
@@ -170,17 +173,18 @@ class BlockIndex:
 
     def _sweep(self, h: ExternalBlockHash, holders: dict[tuple[int, int, str], int]) -> None:
         """Drop holders of old generations; the entry itself when nobody is left."""
-        for key in [k for k in holders if self.instances[self._by_slot[k[0]]].generation != k[1]]:
+        by_slot = self._by_slot
+        for key in [k for k in holders if by_slot[k[0]].generation != k[1]]:
             del holders[key]
         if not holders:
             del self._entries[h]
 
-    def clear_instance(self, iid: InstanceId) -> None:
-        """Forget everything `iid` announced (O(1): its generation moves on)."""
-        self._instance(iid).generation += 1
+    def clear_instance(self, instance: str) -> None:
+        """Forget everything `instance` announced (O(1): its generation moves on)."""
+        self._instance(instance).generation += 1
         self.stats.clears += 1
 
-    def _check_hashes(self, iid: InstanceId, inst: _Instance, event: BlockStored) -> None:
+    def _check_hashes(self, inst: _Instance, event: BlockStored) -> None:
         if event.parent_block_hash is not None or not event.token_ids:
             return
         if len(event.token_ids) != event.block_size * len(event.block_hashes):
@@ -204,7 +208,7 @@ class BlockIndex:
                     "HASH MISMATCH from %s: its block hashes differ from the router's "
                     "(block_size %d vs %d, algorithm %s, seed %r). Prefix routing to this "
                     "instance cannot work until the settings agree.",
-                    iid,
+                    inst.name,
                     event.block_size,
                     self.block_size,
                     self.hash_algorithm,
@@ -220,14 +224,14 @@ class BlockIndex:
         )
         return [to_wire(h) for h in raw]
 
-    def score(self, token_ids: Sequence[int]) -> dict[InstanceId, PrefixScore]:
+    def score(self, token_ids: Sequence[int]) -> dict[str, PrefixScore]:
         return self.score_hashes(self.request_hashes(token_ids))
 
-    def score_hashes(self, hashes: Sequence[ExternalBlockHash]) -> dict[InstanceId, PrefixScore]:
+    def score_hashes(self, hashes: Sequence[ExternalBlockHash]) -> dict[str, PrefixScore]:
         """Per instance: the longest run of consecutive prefix blocks it can serve, each block
         weighted by the best tier it is in there."""
         by_slot = self._by_slot
-        gens = [self.instances[iid].generation for iid in by_slot]
+        gens = [inst.generation for inst in by_slot]
         weights, shared_tier = self.tier_weights, self.external_shared
         counts = [0] * len(by_slot)
         weighted = [0.0] * len(by_slot)
@@ -260,15 +264,18 @@ class BlockIndex:
                 weighted[slot] += b[0]
                 tiers[slot][b[1]] = tiers[slot].get(b[1], 0) + 1
             alive = still
-        return {iid: PrefixScore(counts[s], weighted[s], tiers[s]) for s, iid in enumerate(by_slot)}
+        return {
+            inst.name: PrefixScore(counts[s], weighted[s], tiers[s])
+            for s, inst in enumerate(by_slot)
+        }
 
-    def holders(self, h: ExternalBlockHash) -> dict[InstanceId, set[str]]:
+    def holders(self, h: ExternalBlockHash) -> dict[str, set[str]]:
         """The instances holding `h` and in which media (their own, not shared ones)."""
-        out: dict[InstanceId, set[str]] = {}
+        out: dict[str, set[str]] = {}
         for (slot, gen, medium), _ in (self._entries.get(h) or {}).items():
-            iid = self._by_slot[slot]
-            if self.instances[iid].generation == gen:
-                out.setdefault(iid, set()).add(medium)
+            inst = self._by_slot[slot]
+            if inst.generation == gen:
+                out.setdefault(inst.name, set()).add(medium)
         return out
 
     def check_integrity(self) -> None:
@@ -278,5 +285,5 @@ class BlockIndex:
             for (slot, gen, _), count in holders.items():
                 assert 0 <= slot < len(self._by_slot), "unknown instance slot"
                 assert count > 0, "non-positive count"
-                assert gen <= self.instances[self._by_slot[slot]].generation, "future generation"
+                assert gen <= self._by_slot[slot].generation, "future generation"
         assert len(self._entries) <= self.max_entries, "over the entry cap"

@@ -15,35 +15,35 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from kvconnect.router.index import InstanceId, PrefixScore
+from kvconnect.router.index import PrefixScore
 
 
 @dataclass(frozen=True)
 class Decision:
-    instance: InstanceId
+    instance: str
     cost: float
     score: PrefixScore
 
 
 def choose(
-    candidates: Sequence[InstanceId],
-    scores: Mapping[InstanceId, PrefixScore],
-    loads: Mapping[InstanceId, int],
+    candidates: Sequence[str],
+    scores: Mapping[str, PrefixScore],
+    loads: Mapping[str, int],
     num_blocks: int,
     load_weight: float = 4.0,
-    num_chosen: Mapping[InstanceId, int] | None = None,
+    num_chosen: Mapping[str, int] | None = None,
 ) -> Decision:
     """The cheapest of `candidates` (non-empty) for a request of `num_blocks` full blocks."""
     if not candidates:
         raise ValueError("no instance to route to")
     best: tuple[float, int, int, int] | None = None
     decision: Decision | None = None
-    for order, iid in enumerate(candidates):
-        score = scores.get(iid) or PrefixScore()
-        load = loads.get(iid, 0)
+    for order, name in enumerate(candidates):
+        score = scores.get(name) or PrefixScore()
+        load = loads.get(name, 0)
         cost = (num_blocks - score.weighted) + load_weight * load
-        key = (round(cost, 9), load, (num_chosen or {}).get(iid, 0), order)
+        key = (round(cost, 9), load, (num_chosen or {}).get(name, 0), order)
         if best is None or key < best:
-            best, decision = key, Decision(iid, cost, score)
+            best, decision = key, Decision(name, cost, score)
     assert decision is not None
     return decision

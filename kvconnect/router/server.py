@@ -24,10 +24,10 @@ from dataclasses import dataclass
 import aiohttp
 from aiohttp import web
 
-from kvconnect.model.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
-from kvconnect.router.index import BlockIndex, InstanceId, PrefixScore
+from kvconnect.router.index import BlockIndex, PrefixScore
 from kvconnect.router.scorer import choose
 from kvconnect.subscriber import KVEventSubscriber
+from kvconnect.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 DOWN_SECONDS = 2.0
@@ -35,9 +35,16 @@ DOWN_SECONDS = 2.0
 
 @dataclass(frozen=True)
 class Instance:
+    """One engine instance behind the router. Its URL is its name everywhere: in the index,
+    the scorer, metrics and logs."""
+
     url: str
     events_endpoint: str
     replay_endpoint: str | None = None
+
+    @property
+    def name(self) -> str:
+        return self.url
 
     @classmethod
     def parse(cls, spec: str) -> Instance:
@@ -49,14 +56,6 @@ class Instance:
                 "(e.g. http://127.0.0.1:8001,tcp://127.0.0.1:5557,tcp://127.0.0.1:5558)"
             )
         return cls(parts[0].rstrip("/"), parts[1], parts[2] if len(parts) == 3 else None)
-
-
-def load_tokenizer(model: str) -> Tokenizer:
-    if model == "tiny":
-        return ByteTokenizer()
-    from pathlib import Path
-
-    return HFTokenizer(Path(model) / "tokenizer.json", None)
 
 
 class Router:
@@ -79,7 +78,13 @@ class Router:
         self.hit_blocks: Counter[str] = Counter()
         self.failures: Counter[str] = Counter()
         self._down_until: dict[str, float] = {}
-        self._by_events = {i.events_endpoint: i for i in instances}
+        self._by_name = {i.name: i for i in instances}
+        if len(self._by_name) != len(instances):
+            raise ValueError("each --instance must have its own URL")
+        for inst in instances:
+            index.add_instance(inst.name)
+        # The subscriber names a stream by the endpoint it reads; that maps to one instance.
+        self._name_by_endpoint = {i.events_endpoint: i.name for i in instances}
         self.subscriber = KVEventSubscriber(
             [i.events_endpoint for i in instances],
             [i.replay_endpoint for i in instances],
@@ -91,45 +96,40 @@ class Router:
     def _follow(self) -> None:
         for item in self.subscriber:
             with self.lock:
-                self.index.apply_item(item.stream.endpoint, item)
+                self.index.apply_item(self._name_by_endpoint[item.stream.endpoint], item)
 
     def scores(self, token_ids: list[int]) -> tuple[dict[str, PrefixScore], int]:
+        """Per instance name, what it holds of the request's prefix; and the prefix's blocks."""
         hashes = self.index.request_hashes(token_ids)
         with self.lock:
-            by_id = self.index.score_hashes(hashes)
-        per_url: dict[str, PrefixScore] = {}
-        for iid, score in by_id.items():
-            inst = self._by_events.get(iid.endpoint)
-            if inst is not None and score.weighted > per_url.get(inst.url, PrefixScore()).weighted:
-                per_url[inst.url] = score
-        return per_url, len(hashes)
+            return self.index.score_hashes(hashes), len(hashes)
 
-    def pick(self, token_ids: list[int], exclude: set[str]) -> tuple[str, PrefixScore] | None:
+    def pick(self, token_ids: list[int], exclude: set[str]) -> tuple[Instance, PrefixScore] | None:
+        """The instance to send the request to (not one in `exclude`), and its score."""
         now = time.monotonic()
-        urls = [
-            i.url
+        names = [
+            i.name
             for i in self.instances
-            if i.url not in exclude and self._down_until.get(i.url, 0) <= now
+            if i.name not in exclude and self._down_until.get(i.name, 0) <= now
         ]
-        if not urls:
-            urls = [i.url for i in self.instances if i.url not in exclude]
-        if not urls:
+        if not names:
+            names = [i.name for i in self.instances if i.name not in exclude]
+        if not names:
             return None
         scores, num_blocks = self.scores(token_ids)
-        ids = [InstanceId(u) for u in urls]
         decision = choose(
-            ids,
-            {InstanceId(u): s for u, s in scores.items()},
-            {InstanceId(u): self.in_flight[u] for u in urls},
+            names,
+            scores,
+            {n: self.in_flight[n] for n in names},
             num_blocks,
             self.load_weight,
-            {InstanceId(u): self.decisions[u] for u in urls},
+            {n: self.decisions[n] for n in names},
         )
-        return decision.instance.endpoint, decision.score
+        return self._by_name[decision.instance], decision.score
 
-    def mark_down(self, url: str) -> None:
-        self._down_until[url] = time.monotonic() + DOWN_SECONDS
-        self.failures[url] += 1
+    def mark_down(self, name: str) -> None:
+        self._down_until[name] = time.monotonic() + DOWN_SECONDS
+        self.failures[name] += 1
 
     def close(self) -> None:
         self.subscriber.close()
@@ -153,12 +153,12 @@ class Router:
                     sum(i.stale for i in self.index.instances.values()),
                 ),
             ]
-        for url, n in sorted(self.decisions.items()):
-            lines.append((f'kvconnect_router_decisions_total{{instance="{url}"}}', n))
-        for url, n in sorted(self.in_flight.items()):
-            lines.append((f'kvconnect_router_in_flight{{instance="{url}"}}', n))
-        for url, n in sorted(self.failures.items()):
-            lines.append((f'kvconnect_router_forward_failures_total{{instance="{url}"}}', n))
+        for name, n in sorted(self.decisions.items()):
+            lines.append((f'kvconnect_router_decisions_total{{instance="{name}"}}', n))
+        for name, n in sorted(self.in_flight.items()):
+            lines.append((f'kvconnect_router_in_flight{{instance="{name}"}}', n))
+        for name, n in sorted(self.failures.items()):
+            lines.append((f'kvconnect_router_forward_failures_total{{instance="{name}"}}', n))
         for tier, n in sorted(self.hit_blocks.items()):
             lines.append((f'kvconnect_router_hit_blocks_total{{tier="{tier}"}}', n))
         return "".join(f"{k} {v}\n" for k, v in lines)
@@ -197,19 +197,20 @@ def make_app(router: Router) -> web.Application:
                 return web.json_response(
                     {"error": {"message": "no instance is reachable"}}, status=503
                 )
-            url, score = picked
-            tried.add(url)
-            router.in_flight[url] += 1
+            instance, score = picked
+            name = instance.name
+            tried.add(name)
+            router.in_flight[name] += 1
             try:
-                return await _forward(http, session["s"], url, raw, router, score)
+                return await _forward(http, session["s"], instance, raw, router, score)
             except aiohttp.ClientConnectionError as e:
-                logger.warning("router: %s unreachable (%s); trying another instance", url, e)
-                router.mark_down(url)
+                logger.warning("router: %s unreachable (%s); trying another instance", name, e)
+                router.mark_down(name)
             finally:
-                router.in_flight[url] -= 1
+                router.in_flight[name] -= 1
 
     async def health(_: web.Request) -> web.Response:
-        return web.json_response({"status": "ok", "instances": [i.url for i in router.instances]})
+        return web.json_response({"status": "ok", "instances": [i.name for i in router.instances]})
 
     async def metrics(_: web.Request) -> web.Response:
         return web.Response(text=router.metrics(), content_type="text/plain")
@@ -226,20 +227,20 @@ def make_app(router: Router) -> web.Application:
 async def _forward(
     http: web.Request,
     session: aiohttp.ClientSession,
-    url: str,
+    instance: Instance,
     raw: bytes,
     router: Router,
     score: PrefixScore,
 ) -> web.StreamResponse:
     async with session.post(
-        url + "/v1/completions", data=raw, headers={"Content-Type": "application/json"}
+        instance.url + "/v1/completions", data=raw, headers={"Content-Type": "application/json"}
     ) as upstream:
-        router.decisions[url] += 1
+        router.decisions[instance.name] += 1
         for tier, n in score.blocks_per_tier.items():
             router.hit_blocks[tier] += n
         headers = {
             "Content-Type": upstream.headers.get("Content-Type", "application/json"),
-            "x-kvconnect-instance": url,
+            "x-kvconnect-instance": instance.name,
         }
         response = web.StreamResponse(status=upstream.status, headers=headers)
         await response.prepare(http)

@@ -5,8 +5,9 @@ eviction) and reports `BlockStored`/`BlockRemoved` through `KVEventsWorkerMetada
 scheduler half releases them with an `EventQuorum`. `SchedulerEventsConnector` produces events
 on the scheduler side only. Both record every call, for the MultiConnector tests.
 
-`StepLoop` runs vLLM's per-step order over one scheduler-role instance and `world_size`
-worker-role instances, pickling the metadata both ways as a process boundary would.
+`StepLoop` runs one scheduler-role instance and `world_size` worker-role instances, each
+worker's part through `run_worker_step` (the engine's own step order), pickling the metadata
+both ways as a process boundary would.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any
 
 from kvconnect.config import KVTransferConfig
 from kvconnect.connector import (
-    EventQuorum,
+    ConnectorRequest,
     KVConnectorBase,
     KVConnectorContext,
     KVConnectorFactory,
@@ -27,11 +28,12 @@ from kvconnect.connector import (
     KVConnectorRole,
     KVConnectorStats,
     KVConnectorWorkerMetadata,
-    KVEventsWorkerMetadata,
-    KVOutputAggregator,
+    NewRequestData,
     SchedulerOutput,
 )
-from kvconnect.connector.base import ConnectorRequest
+from kvconnect.connector.aggregator import KVOutputAggregator
+from kvconnect.connector.events import EventQuorum, KVEventsWorkerMetadata
+from kvconnect.connector.step import ConnectorLayerHooks, run_worker_step
 from kvconnect.events import BlockRemoved, BlockStored, KVCacheEvent
 from kvconnect.hashing import block_hashes, to_wire
 
@@ -48,23 +50,6 @@ class FakeRequest:
     @classmethod
     def make(cls, request_id: str, token_ids: list[int], block_size: int = 4) -> FakeRequest:
         return cls(request_id, token_ids, block_hashes(token_ids, block_size))
-
-
-@dataclass
-class FakeNewRequest:
-    request_id: str
-    all_token_ids: list[int]
-    block_hashes: list[bytes]
-    block_ids: list[int]
-    num_computed_tokens: int = 0
-
-
-@dataclass
-class FakeSchedulerOutput:
-    scheduled: list[Any] = field(default_factory=list)
-    scheduled_new_reqs: list[FakeNewRequest] = field(default_factory=list)
-    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
-    finished_req_ids: set[str] = field(default_factory=set)
 
 
 class Recording(KVConnectorBase):
@@ -290,6 +275,17 @@ def roundtrip(obj: Any) -> Any:
     return pickle.loads(pickle.dumps(obj))
 
 
+def layers_forward(layers: tuple[str, ...]) -> Any:
+    """A forward pass without a model: the per-layer connector hooks, in layer order."""
+
+    def forward(hooks: ConnectorLayerHooks) -> None:
+        for layer in layers:
+            hooks.before_attention(layer)
+            hooks.after_attention(layer, None)
+
+    return forward
+
+
 class StepLoop:
     """vLLM's step order over one scheduler-role and `world_size` worker-role connectors."""
 
@@ -321,7 +317,7 @@ class StepLoop:
     ) -> list[KVCacheEvent]:
         """One step; returns the connector events the scheduler would publish."""
         sched = self.scheduler
-        out = FakeSchedulerOutput()
+        out = SchedulerOutput()
         for req in new:
             num_tokens, _ = sched.get_num_new_matched_tokens(req, 0)
             n = len(req.all_token_ids) // self.block_size
@@ -329,7 +325,7 @@ class StepLoop:
             self._next_block += n
             sched.update_state_after_alloc(req, ids, num_tokens or 0)
             out.scheduled_new_reqs.append(
-                FakeNewRequest(req.request_id, req.all_token_ids, req.block_hashes, ids)
+                NewRequestData(req.request_id, req.all_token_ids, req.block_hashes, ids)
             )
             out.num_scheduled_tokens[req.request_id] = len(req.all_token_ids)
         for req in finished:
@@ -338,22 +334,10 @@ class StepLoop:
         meta = sched.build_connector_meta(out)
         outputs: list[KVConnectorOutput | None] = []
         for w in self.workers:
-            w.bind_connector_metadata(roundtrip(meta))
-            w.start_load_kv(None)
-            for layer in self.LAYERS:
-                w.wait_for_layer_load(layer)
-                w.save_kv_layer(layer, None, None)
-            w.wait_for_save()
-            sending, recving = w.get_finished(out.finished_req_ids)
-            output = KVConnectorOutput(
-                finished_sending=sending,
-                finished_recving=recving,
-                invalid_block_ids=w.get_block_ids_with_load_errors(),
-                kv_connector_stats=w.get_kv_connector_stats(),
-                kv_connector_worker_meta=w.build_connector_worker_meta(),
+            _, output = run_worker_step(
+                w, roundtrip(meta), out.finished_req_ids, layers_forward(self.LAYERS)
             )
-            w.clear_connector_metadata()
-            outputs.append(None if output.is_empty() else roundtrip(output))
+            outputs.append(roundtrip(output))
         aggregated = self.aggregator.aggregate(outputs)
         sched.update_connector_output(aggregated)
         self.finished_sending |= aggregated.finished_sending or set()

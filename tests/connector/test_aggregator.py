@@ -1,11 +1,8 @@
 import pytest
 
-from kvconnect.connector import (
-    KVConnectorOutput,
-    KVConnectorStats,
-    KVEventsWorkerMetadata,
-    KVOutputAggregator,
-)
+from kvconnect.connector import KVConnectorOutput, KVConnectorStats
+from kvconnect.connector.aggregator import KVOutputAggregator
+from kvconnect.connector.events import KVEventsWorkerMetadata
 from kvconnect.events import BlockRemoved
 
 

@@ -7,8 +7,8 @@ from kvconnect.connector import (
     KVConnectorOutput,
     KVConnectorRole,
     KVConnectorStats,
-    KVEventsWorkerMetadata,
 )
+from kvconnect.connector.events import KVEventsWorkerMetadata
 from tests.connector.helpers import FakeRequest, Recording, transfer_config
 
 

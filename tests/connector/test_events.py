@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvconnect.connector import EventQuorum, KVEventsWorkerMetadata
+from kvconnect.connector.events import EventQuorum, KVEventsWorkerMetadata
 from kvconnect.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 
 

@@ -10,15 +10,17 @@ from kvconnect.connector import (
     KVConnectorFactory,
     KVConnectorOutput,
     KVConnectorRole,
+    SchedulerOutput,
+)
+from kvconnect.connector.multi import (
     MultiConnector,
     MultiKVConnectorMetadata,
     MultiKVConnectorStats,
     MultiKVConnectorWorkerMetadata,
+    child_configs,
 )
-from kvconnect.connector.multi import child_configs
 from tests.connector.helpers import (
     FakeRequest,
-    FakeSchedulerOutput,
     Recording,
     SetMetadata,
     WorkerEventsConnector,
@@ -132,7 +134,7 @@ def test_request_with_two_async_savers_finishes_once_after_the_last() -> None:
     assert is_async and params == {"saved_by_DISK": 2, "saved_by_CPU": 2}
     finished: list[set[str] | None] = []
     for step in range(4):
-        meta = sched.build_connector_meta(FakeSchedulerOutput())
+        meta = sched.build_connector_meta(SchedulerOutput())
         assert isinstance(meta, MultiKVConnectorMetadata)
         assert meta.extra_async_saves == ({"r1": 1} if step == 0 else None)
         worker.bind_connector_metadata(meta)

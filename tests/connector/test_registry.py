@@ -1,12 +1,8 @@
 import pytest
 
 from kvconnect.config import KVTransferConfig
-from kvconnect.connector import (
-    KVConnectorContext,
-    KVConnectorFactory,
-    KVConnectorRole,
-    MultiConnector,
-)
+from kvconnect.connector import KVConnectorContext, KVConnectorFactory, KVConnectorRole
+from kvconnect.connector.multi import MultiConnector
 from tests.connector.helpers import MODULE, Recording, transfer_config
 
 

@@ -1,6 +1,7 @@
 """Connectors driven end to end by vLLM's step order, with the real aggregator."""
 
-from kvconnect.connector import EventQuorum, MultiConnector
+from kvconnect.connector.events import EventQuorum
+from kvconnect.connector.multi import MultiConnector
 from kvconnect.events import BlockRemoved, BlockStored
 from kvconnect.hashing import to_wire
 from tests.connector.helpers import (

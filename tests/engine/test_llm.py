@@ -96,7 +96,7 @@ def test_greedy_matches_dense_reference(
             assert cached == [0, 0, 0]
         assert again[0].outputs[0].finish_reason == "length"
         llm.scheduler.check_integrity()
-        assert llm.scheduler.kv.num_requests == 0
+        assert llm.scheduler.kv_cache_manager.num_requests == 0
 
 
 def test_seeded_sampling_is_reproducible_across_tp() -> None:

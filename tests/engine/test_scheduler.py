@@ -6,9 +6,9 @@ from kvconnect.config import KVTransferConfig
 from kvconnect.connector import KVConnectorContext, KVConnectorOutput, KVConnectorRole
 from kvconnect.connector.base import ConnectorRequest
 from kvconnect.engine.block_pool import BlockPool
-from kvconnect.engine.outputs import SchedulerOutput
 from kvconnect.engine.request import Request, RequestStatus, SamplingParams
 from kvconnect.engine.scheduler import Scheduler, SchedulerConfig
+from kvconnect.messages import SchedulerOutput
 from tests.connector.helpers import Recording
 
 BS = 4
@@ -73,7 +73,7 @@ def drain(s: Scheduler, limit: int = 100) -> None:
 
 
 def assert_all_free(s: Scheduler) -> None:
-    assert s.pool.num_free_blocks == s.pool.num_blocks and s.kv.num_requests == 0
+    assert s.pool.num_free_blocks == s.pool.num_blocks and s.kv_cache_manager.num_requests == 0
     s.check_integrity()
 
 

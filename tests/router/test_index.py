@@ -7,10 +7,10 @@ from hypothesis import strategies as st
 
 from kvconnect.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from kvconnect.hashing import block_hashes, to_wire
-from kvconnect.router.index import BlockIndex, InstanceId
+from kvconnect.router.index import BlockIndex
 from kvconnect.subscriber import EventsLost, PublisherRestarted, ReceivedBatch, StreamId
 
-A, B = InstanceId("tcp://a:1", 0), InstanceId("tcp://b:1", 0)
+A, B = "http://a:1", "http://b:1"
 BS = 4
 TOKENS = list(range(1, 25))  # 6 blocks
 HASHES = [to_wire(h) for h in block_hashes(TOKENS, BS)]
@@ -75,13 +75,11 @@ def test_clear_restart_and_loss_drop_only_that_instance() -> None:
     idx.apply_batch(A, batch(AllBlocksCleared()))
     assert idx.holders(HASHES[0]) == {B: {"GPU"}}
     idx.apply_batch(A, batch(stored(HASHES[:1])))
-    idx.apply_item(B.endpoint, PublisherRestarted(StreamId(B.endpoint, "", 0), 9, 0))
+    idx.apply_item(B, PublisherRestarted(StreamId("tcp://b:2", "", 0), 9, 0))
     assert idx.holders(HASHES[0]) == {A: {"GPU"}} and idx.stats.restarts == 1
-    idx.apply_item(A.endpoint, EventsLost(StreamId(A.endpoint, "", 0), 3, 5))
+    idx.apply_item(A, EventsLost(StreamId("tcp://a:2", "", 0), 3, 5))
     assert idx.holders(HASHES[0]) == {} and idx.instances[A].stale
-    idx.apply_item(
-        A.endpoint, ReceivedBatch(6, batch(AllBlocksCleared()), StreamId(A.endpoint, "", 0))
-    )
+    idx.apply_item(A, ReceivedBatch(6, batch(AllBlocksCleared()), StreamId("tcp://a:2", "", 0)))
     assert not idx.instances[A].stale
     idx.check_integrity()
 
@@ -120,10 +118,10 @@ ops = st.lists(
 @settings(max_examples=300, deadline=None)
 @given(ops)
 def test_index_matches_ground_truth_under_random_events(
-    sequence: list[tuple[InstanceId, str, int, str]],
+    sequence: list[tuple[str, str, int, str]],
 ) -> None:
     idx = BlockIndex(BS, max_entries=10_000)
-    truth: dict[InstanceId, Counter[tuple[int, str]]] = {A: Counter(), B: Counter()}
+    truth: dict[str, Counter[tuple[int, str]]] = {A: Counter(), B: Counter()}
     for iid, op, i, medium in sequence:
         h = HASHES[i]
         if op == "store":
@@ -137,9 +135,9 @@ def test_index_matches_ground_truth_under_random_events(
             idx.apply_batch(iid, batch(AllBlocksCleared()))
             truth[iid].clear()
         else:
-            stream = StreamId(iid.endpoint, "", 0)
+            stream = StreamId("tcp://x:1", "", 0)
             item = PublisherRestarted(stream, 5, 0) if op == "restart" else EventsLost(stream, 1, 2)
-            idx.apply_item(iid.endpoint, item)
+            idx.apply_item(iid, item)
             truth[iid].clear()
         idx.check_integrity()
     for h in HASHES:

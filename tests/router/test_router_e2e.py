@@ -16,8 +16,9 @@ import pytest
 from aiohttp import web
 
 from kvconnect.cluster import wait_healthy
-from kvconnect.router.index import BlockIndex, InstanceId
-from kvconnect.router.server import Instance, Router, load_tokenizer, make_app
+from kvconnect.router.index import BlockIndex
+from kvconnect.router.server import Instance, Router, make_app
+from kvconnect.tokenizer import load_tokenizer
 from tests.helpers import free_port
 
 pytestmark = pytest.mark.slow
@@ -163,7 +164,7 @@ def test_router_survives_an_instance_killed_and_restarted(
     victim = next(e for e in engines if e.url == where)
     tokens = router.tokenizer.encode(prompt)
     hashes = router.index.request_hashes(tokens)
-    vid = InstanceId(victim.instance.events_endpoint, 0)
+    vid = victim.instance.name
     wait_for(lambda: vid in router.index.holders(hashes[0]))
     victim.kill()
     _, where_now = post(url, {"prompt": prompt, "max_tokens": 2})  # refused, then elsewhere

@@ -1,9 +1,9 @@
 import pytest
 
-from kvconnect.router.index import InstanceId, PrefixScore
+from kvconnect.router.index import PrefixScore
 from kvconnect.router.scorer import choose
 
-A, B, C = InstanceId("a"), InstanceId("b"), InstanceId("c")
+A, B, C = "a", "b", "c"
 
 
 def s(blocks: int, weighted: float | None = None) -> PrefixScore:

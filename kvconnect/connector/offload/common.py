@@ -20,7 +20,6 @@ from kvconnect.connector.base import KVConnectorMetadata
 from kvconnect.events import ExternalBlockHash
 
 TIER_KINDS = ("cpu", "disk", "redis")
-TIER_MEDIUMS = {"cpu": "CPU", "disk": "DISK", "redis": "EXTERNAL"}
 
 
 @dataclass(frozen=True)
@@ -37,6 +36,8 @@ class TierConfig:
 
 @dataclass(frozen=True)
 class OffloadConfig:
+    block_size: int
+    """The engine's KV block size, in tokens."""
     chunk_size: int = 256
     """Tokens per stored chunk; a multiple of the engine's block size."""
     tiers: tuple[TierConfig, ...] = ()
@@ -47,6 +48,10 @@ class OffloadConfig:
     counted, so a step never waits for storage."""
     max_pending_steps: int = 64
     """Steps an event may wait for the other ranks before it is dropped (see EventQuorum)."""
+
+    @property
+    def blocks_per_chunk(self) -> int:
+        return self.chunk_size // self.block_size
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any], block_size: int) -> OffloadConfig:
@@ -86,6 +91,7 @@ class OffloadConfig:
         if not tiers:
             raise ValueError("OffloadConnector: kv_connector_extra_config['tiers'] is empty")
         return cls(
+            block_size,
             chunk,
             tuple(tiers),
             extra.get("max_pending_stores", 64),

@@ -2,11 +2,12 @@
 
 What the instance's own tiers hold is learned from the events the workers report in their
 metadata, after the quorum: a chunk counts as held once every rank announced it (BlockStored)
-in some local tier and none took it back (BlockRemoved). The shared redis tier is asked
-directly, every rank's key of each chunk in one pipelined round trip.
+in some local tier and none took it back (BlockRemoved). A shared tier is asked directly, off
+the step thread (`lookup.PrefixLookup`): the request waits a step for the answer.
 
     get_num_new_matched_tokens   whole chunks from the start that are held, up to the last
-                                 prompt token (which must be computed): an async load
+                                 prompt token (which must be computed): an async load;
+                                 None while a shared tier's answer is outstanding
     update_state_after_alloc     the load's target blocks -> a LoadSpec for the workers
     build_connector_meta         this step's loads, and the chunks whose tokens became
                                  computed in this step (saves)
@@ -16,7 +17,6 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
 
 from kvconnect.connector.base import (
     ConnectorRequest,
@@ -33,11 +33,12 @@ from kvconnect.connector.offload.common import (
     SaveSpec,
     chunk_key,
 )
+from kvconnect.connector.offload.lookup import PrefixLookup
+from kvconnect.connector.offload.tiers import TierPlacement, create_tier, tier_class
 from kvconnect.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from kvconnect.hashing import to_wire
 
 logger = logging.getLogger(__name__)
-LOCAL_MEDIUMS = ("CPU", "DISK")
 
 
 @dataclass
@@ -55,21 +56,21 @@ class OffloadScheduler:
         self.config = config
         self.quorum = EventQuorum(context.world_size, max_pending_steps=config.max_pending_steps)
         self.held: dict[int | bytes, set[str]] = {}  # chunk (last block's wire hash) -> media
-        self._redis: Any = None
-        redis_tiers = [t for t in config.tiers if t.kind == "redis"]
-        if redis_tiers:
-            from kvconnect.connector.offload.tiers.redis import connect
-
-            self._redis = connect(redis_tiers[0].url)
+        classes = [tier_class(t.kind) for t in config.tiers]
+        self._local_media = {cls.medium for cls in classes if not cls.shared}
+        self.lookup: PrefixLookup | None = None
+        shared = [t for t, cls in zip(config.tiers, classes, strict=True) if cls.shared]
+        if shared:
+            placement = TierPlacement(context.world_size, rank=0)
+            self.lookup = PrefixLookup(create_tier(shared[0], placement))
         self._plans: dict[str, tuple[int, int]] = {}  # request -> (first token, num chunks)
         self._loads: list[LoadSpec] = []
         self._tracked: dict[str, _Tracked] = {}
         self._ready: list[KVCacheEvent] = []
         self._reset = False
-        self.num_redis_errors = 0
 
     def chunk_info(self, token_ids: list[int], block_hashes: list[bytes], i: int) -> ChunkInfo:
-        per = self.config.chunk_size // self.context.block_size
+        per = self.config.blocks_per_chunk
         hashes = block_hashes[i * per : (i + 1) * per]
         parent = to_wire(block_hashes[i * per - 1]) if i else None
         c = self.config.chunk_size
@@ -86,7 +87,7 @@ class OffloadScheduler:
     def get_num_new_matched_tokens(
         self, request: ConnectorRequest, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        c, per = self.config.chunk_size, self.config.chunk_size // self.context.block_size
+        c, per = self.config.chunk_size, self.config.blocks_per_chunk
         num_tokens = len(request.all_token_ids)
         max_chunks = min((num_tokens - 1) // c, len(request.block_hashes) // per)
         if max_chunks * c <= num_computed_tokens:
@@ -95,48 +96,35 @@ class OffloadScheduler:
         num = 0
         while num < max_chunks and self.held.get(to_wire(last[num])):
             num += 1
-        if num < max_chunks and self._redis is not None:
-            num += self._redis_prefix(last[num:])
+        if num < max_chunks and self.lookup is not None:
+            chunks = [self._rank_keys(h) for h in last[num:]]
+            num_shared = self.lookup.ask(request.request_id, num, chunks)
+            if num_shared is None:
+                return None, False
+            num += num_shared
         if num * c <= num_computed_tokens:
             return 0, False
         self._plans[request.request_id] = (num_computed_tokens, num)
         return num * c - num_computed_tokens, True
 
-    def _redis_prefix(self, last_hashes: list[bytes]) -> int:
-        """How many of these chunks, from the first, every rank has in redis."""
-        from redis import RedisError
-
-        from kvconnect.connector.offload.tiers.redis import KEY_PREFIX
-
+    def _rank_keys(self, last_block_hash: bytes) -> list[str]:
+        """The keys of one chunk on every rank (a shared tier must hold all of them)."""
         ctx = self.context
-        pipe = self._redis.pipeline(transaction=False)
-        for h in last_hashes:
-            pipe.exists(
-                *[
-                    KEY_PREFIX + chunk_key(ctx.model_name, ctx.world_size, r, h)
-                    for r in range(ctx.world_size)
-                ]
-            )
-        try:
-            counts = pipe.execute()
-        except RedisError as e:
-            self.num_redis_errors += 1
-            logger.warning("offload: redis lookup failed, treating as a miss: %s", e)
-            return 0
-        num = 0
-        while num < len(counts) and counts[num] == ctx.world_size:
-            num += 1
-        return num
+        return [
+            chunk_key(ctx.model_name, ctx.world_size, r, last_block_hash)
+            for r in range(ctx.world_size)
+        ]
 
     def update_state_after_alloc(
         self, request: ConnectorRequest, block_ids: list[int], num_external_tokens: int
     ) -> None:
         plan = self._plans.pop(request.request_id, None)
+        if self.lookup is not None:
+            self.lookup.forget(request.request_id)
         if plan is None or num_external_tokens == 0:
             return
         start, num = plan
-        c, bs = self.config.chunk_size, self.context.block_size
-        per = c // bs
+        c, bs, per = self.config.chunk_size, self.context.block_size, self.config.blocks_per_chunk
         spec = LoadSpec(request.request_id, [], [], [])
         for i in range(start // c, num):
             spec.chunks.append(
@@ -155,7 +143,7 @@ class OffloadScheduler:
             self._tracked[new.request_id] = _Tracked(
                 list(new.all_token_ids), list(new.block_hashes)
             )
-        c, per = self.config.chunk_size, self.config.chunk_size // self.context.block_size
+        c, per = self.config.chunk_size, self.config.blocks_per_chunk
         for s in scheduler_output.scheduled:
             tracked = self._tracked.get(s.request_id)
             if tracked is None:
@@ -181,7 +169,7 @@ class OffloadScheduler:
     def _track(self, event: KVCacheEvent) -> None:
         if isinstance(event, AllBlocksCleared):
             self.held.clear()
-        elif isinstance(event, BlockStored | BlockRemoved) and event.medium in LOCAL_MEDIUMS:
+        elif isinstance(event, BlockStored | BlockRemoved) and event.medium in self._local_media:
             chunk = event.block_hashes[-1]
             media = self.held.setdefault(chunk, set())
             if isinstance(event, BlockStored):
@@ -198,11 +186,14 @@ class OffloadScheduler:
     def request_finished(self, request: ConnectorRequest) -> None:
         self._tracked.pop(request.request_id, None)
         self._plans.pop(request.request_id, None)
+        if self.lookup is not None:
+            self.lookup.forget(request.request_id)
 
     def reset_cache(self) -> bool:
         self._reset = True
         return True
 
     def shutdown(self) -> None:
-        if self._redis is not None:
-            self._redis.close()
+        if self.lookup is not None:
+            self.lookup.shutdown()
+            self.lookup.tier.close()

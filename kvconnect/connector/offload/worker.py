@@ -19,7 +19,6 @@ import logging
 import threading
 from collections import deque
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -33,6 +32,7 @@ from kvconnect.connector.offload.common import (
     OffloadMetadata,
     chunk_key,
 )
+from kvconnect.connector.offload.tiers import TierPlacement, create_tier
 from kvconnect.connector.offload.tiers.base import Evicted, Tier, TierError
 from kvconnect.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 
@@ -79,23 +79,15 @@ class OffloadWorker:
     # -- setup ------------------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
-        from kvconnect.connector.offload.tiers.cpu import CpuTier
-        from kvconnect.connector.offload.tiers.disk import DiskTier
-        from kvconnect.connector.offload.tiers.redis import RedisTier
-
         self._layers = list(kv_caches.values())
         first = self._layers[0]  # [2, num_blocks, block_size, kv_heads, head_dim]
-        chunk_shape = (len(self._layers), 2, self.config.chunk_size, *first.shape[3:])
-        ctx = self.context
-        for t in self.config.tiers:
-            if t.kind == "cpu":
-                self.tiers.append(CpuTier(t.max_bytes, chunk_shape, first.dtype))
-            elif t.kind == "disk":
-                # One directory per rank: a rank owns and announces only its own files.
-                root = Path(t.path) / f"tp{ctx.world_size}-rank{self.rank}"
-                self.tiers.append(DiskTier(str(root), t.max_bytes))
-            else:
-                self.tiers.append(RedisTier(t.url))
+        placement = TierPlacement(
+            self.context.world_size,
+            self.rank,
+            (len(self._layers), 2, self.config.chunk_size, *first.shape[3:]),
+            first.dtype,
+        )
+        self.tiers = [create_tier(t, placement) for t in self.config.tiers]
         for tier in self.tiers:
             for _, info in tier.entries():  # found again after a restart
                 self._events.append(stored_event(info, tier.medium))

@@ -14,13 +14,16 @@ from kvconnect.connector import (
     KVConnectorFactory,
     KVConnectorOutput,
     KVConnectorRole,
-    KVOutputAggregator,
+    NewRequestData,
+    ScheduledRequest,
+    SchedulerOutput,
 )
+from kvconnect.connector.aggregator import KVOutputAggregator
 from kvconnect.connector.offload.connector import OffloadConnector
-from kvconnect.engine.outputs import ScheduledRequest
+from kvconnect.connector.step import run_worker_step
 from kvconnect.events import BlockRemoved, BlockStored
 from kvconnect.hashing import block_hashes
-from tests.connector.helpers import FakeNewRequest, FakeSchedulerOutput, roundtrip
+from tests.connector.helpers import roundtrip
 from tests.engine.test_scheduler import BS
 
 CHUNK = 8  # two blocks of 4
@@ -63,30 +66,22 @@ class Loop:
         return ids
 
     def step(self, new: list[tuple[str, list[int], list[int]]] = ()) -> None:  # type: ignore[assignment]
-        out = FakeSchedulerOutput()
+        """One step. Each worker's I/O thread first finishes what earlier steps queued, and
+        the forward pass waits for this step's loads, so what a step reports is exact."""
+        out = SchedulerOutput()
         for rid, tokens, ids in new:
             hashes = block_hashes(tokens, BS)
-            out.scheduled_new_reqs.append(FakeNewRequest(rid, tokens, hashes, ids))
-            out.scheduled.append(ScheduledRequest(rid, tokens, 0, ids, True, 0.0, 0, 0))
+            out.scheduled_new_reqs.append(NewRequestData(rid, tokens, hashes, ids))
+            out.scheduled.append(ScheduledRequest(rid, tokens, 0, ids, sample=True))
         meta = self.sched.build_connector_meta(out)
         outputs: list[KVConnectorOutput | None] = []
         for w in self.workers:
-            w.bind_connector_metadata(roundtrip(meta))
-            w.start_load_kv()
-            w.wait_for_save()
             assert w.worker is not None
-            w.worker.drain()
-            _, recving = w.get_finished(set())
-            outputs.append(
-                roundtrip(
-                    KVConnectorOutput(
-                        finished_recving=recving,
-                        invalid_block_ids=w.get_block_ids_with_load_errors(),
-                        kv_connector_worker_meta=w.build_connector_worker_meta(),
-                    )
-                )
+            assert w.worker.drain()
+            _, output = run_worker_step(
+                w, roundtrip(meta), set(), lambda _hooks, io=w.worker: io.drain()
             )
-            w.clear_connector_metadata()
+            outputs.append(roundtrip(output))
         agg = self.aggregator.aggregate(outputs)
         self.finished_recving |= agg.finished_recving or set()
         self.invalid |= agg.invalid_block_ids

@@ -1,9 +1,12 @@
+import threading
 from pathlib import Path
 
 import pytest
 import torch
 
-from kvconnect.connector.offload.common import ChunkInfo, OffloadConfig
+from kvconnect.connector.offload.common import ChunkInfo, OffloadConfig, TierConfig
+from kvconnect.connector.offload.lookup import PrefixLookup
+from kvconnect.connector.offload.tiers import TierPlacement, create_tier
 from kvconnect.connector.offload.tiers.base import TierError, pack, unpack
 from kvconnect.connector.offload.tiers.cpu import CpuTier
 from kvconnect.connector.offload.tiers.disk import DiskTier
@@ -29,7 +32,10 @@ def test_cpu_tier_slots_lru_and_demotion_data() -> None:
     assert evicted[0].data is not None and torch.equal(evicted[0].data, chunk(1)[2])
     assert torch.equal(tier.get(chunk(3)[0]), chunk(3)[2])  # type: ignore[arg-type]
     assert tier.remove(chunk(3)[0]) == chunk(3)[1] and not tier.contains(chunk(3)[0])
+    tier.check_integrity()
     assert {k for k, _ in tier.clear()} == {chunk(0)[0], chunk(2)[0]}
+    tier.check_integrity()
+    assert tier.entries() == [] and len(tier._free) == tier.num_slots  # every slot back
     with pytest.raises(ValueError, match="holds no chunk"):
         CpuTier(10, SHAPE, torch.float32)
 
@@ -69,10 +75,14 @@ def test_disk_tier_budget_restart_and_corruption(tmp_path: Path) -> None:
     with pytest.raises(TierError, match="checksum"):
         again.get(chunk(1)[0])
     assert not again.contains(chunk(1)[0]) and not path.exists() and again.num_corrupt == 1
+    again.check_integrity()
     # A chunk larger than the whole budget is refused, not half written.
     small = DiskTier(str(tmp_path / "small"), max_bytes=size - 1)
     with pytest.raises(TierError, match="exceeds max_bytes"):
         small.put(*chunk(3))
+    small.check_integrity()
+    assert again.clear() and again.used_bytes == 0 and not list(tmp_path.glob("*.kvchunk"))
+    again.check_integrity()
 
 
 def test_disk_keys_never_become_paths_outside_the_root(tmp_path: Path) -> None:
@@ -84,6 +94,7 @@ def test_disk_keys_never_become_paths_outside_the_root(tmp_path: Path) -> None:
         assert tier._path(key).parent == root.resolve()
     assert [p.name for p in tmp_path.iterdir()] == ["root"]
     assert all(p.parent == root for p in root.rglob("*"))
+    tier.check_integrity()
 
 
 def test_disk_tier_drops_garbage_files_on_start(tmp_path: Path) -> None:
@@ -99,7 +110,88 @@ def test_redis_tier(fresh_redis: LocalRedis) -> None:
     assert tier.get(key) is None and not tier.contains(key)
     assert tier.put(key, info, data) == []
     assert tier.contains(key) and torch.equal(tier.get(key), data)  # type: ignore[arg-type]
+    tier.check_integrity()
     tier.close()
+
+
+def test_factory_builds_each_kind_with_its_own_medium(
+    tmp_path: Path, fresh_redis: LocalRedis
+) -> None:
+    placement = TierPlacement(2, 1, SHAPE, torch.float32)
+    configs = [
+        TierConfig("cpu", max_bytes=1 << 20),
+        TierConfig("disk", path=str(tmp_path)),
+        TierConfig("redis", url=fresh_redis.url),
+    ]
+    tiers = [create_tier(c, placement) for c in configs]
+    assert [(type(t).__name__, t.medium, t.shared) for t in tiers] == [
+        ("CpuTier", "CPU", False),
+        ("DiskTier", "DISK", False),
+        ("RedisTier", "EXTERNAL", True),
+    ]
+    assert isinstance(tiers[1], DiskTier) and tiers[1].root == (tmp_path / "tp2-rank1").resolve()
+    for t in tiers:
+        t.check_integrity()
+        t.close()
+
+
+def test_num_held_prefix_counts_chunks_every_rank_holds(fresh_redis: LocalRedis) -> None:
+    tier = RedisTier(fresh_redis.url)
+    keys = [[f"m/2/{r}/{i:02x}" for r in range(2)] for i in range(4)]
+    for i, per_rank in enumerate(keys):
+        for r, key in enumerate(per_rank):
+            if (i, r) != (2, 1):  # chunk 2 is missing on rank 1
+                tier.put(key, chunk(i)[1], chunk(i)[2])
+    assert tier.num_held_prefix(keys) == 2
+    assert tier.num_held_prefix(keys[3:]) == 1 and tier.num_held_prefix([]) == 0
+    cpu = CpuTier(1 << 20, SHAPE, torch.float32)
+    cpu.put(keys[0][0], chunk(0)[1], chunk(0)[2])
+    assert cpu.num_held_prefix([keys[0][:1], keys[1][:1]]) == 1  # the default, by contains
+    tier.close()
+
+
+class _GatedTier(RedisTier):
+    """A redis tier whose lookups wait for the test to open a gate."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(url)
+        self.gate = threading.Event()
+
+    def num_held_prefix(self, chunks: object) -> int:  # type: ignore[override]
+        assert self.gate.wait(10)
+        return super().num_held_prefix(chunks)  # type: ignore[arg-type]
+
+
+def test_prefix_lookup_answers_later_and_never_blocks_the_caller(
+    fresh_redis: LocalRedis,
+) -> None:
+    tier = _GatedTier(fresh_redis.url)
+    tier.put("m/1/0/00", chunk(0)[1], chunk(0)[2])
+    lookup = PrefixLookup(tier)
+    try:
+        assert lookup.ask("r", 0, [["m/1/0/00"], ["m/1/0/01"]]) is None  # queued, not waited
+        assert lookup.ask("r", 0, [["m/1/0/00"], ["m/1/0/01"]]) is None  # still in flight
+        tier.gate.set()
+        assert lookup.drain()
+        assert lookup.ask("r", 0, [["m/1/0/00"], ["m/1/0/01"]]) == 1 and lookup.num_errors == 0
+        assert lookup.ask("r", 1, [["m/1/0/01"]]) is None  # another question: asked anew
+        lookup.forget("r")
+        assert lookup.num_questions == 0
+    finally:
+        lookup.shutdown()
+        tier.close()
+
+
+def test_prefix_lookup_on_a_dead_tier_answers_zero_and_counts() -> None:
+    tier = RedisTier("redis://127.0.0.1:1/0")
+    lookup = PrefixLookup(tier)
+    try:
+        assert lookup.ask("r", 0, [["k"]]) is None
+        assert lookup.drain()
+        assert lookup.ask("r", 0, [["k"]]) == 0 and lookup.num_errors == 1
+    finally:
+        lookup.shutdown()
+        tier.close()
 
 
 def test_redis_tier_down_is_an_error_not_a_hang() -> None:

@@ -1,22 +1,29 @@
 """The storage tier interface and the chunk serialisation shared by disk and redis.
 
-Contract (called only from the worker's I/O thread, except `contains`, which any thread may
-call): `put` stores a chunk and returns what it evicted (with the data, so the caller can demote
-it); `get` returns the chunk's data or None if absent, and raises `TierError` if the entry is
-bad (checksum) or the tier is unreachable; `remove` and `clear` return what they dropped.
+Contract. A worker's tiers are called only from its I/O thread, except `contains`, which any
+thread may call:
+- `put` stores a chunk and returns what it evicted (with the data, so the caller can demote it);
+- `get` returns the chunk's data or None if absent, and raises `TierError` if the entry is bad
+  (checksum) or the tier is unreachable; `remove` and `clear` return what they dropped;
+- `num_held_prefix(chunks)` answers, for chunks given as their per-rank keys, how many from the
+  first the tier holds on every rank (the scheduler half asks shared tiers this, off its step
+  thread); `TierError` if the tier cannot be asked;
+- `check_integrity()` raises AssertionError if the tier's own bookkeeping is inconsistent.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Self
 
 import msgspec
 import numpy as np
 import torch
 import xxhash
 
-from kvconnect.connector.offload.common import ChunkInfo
+from kvconnect.connector.offload.common import ChunkInfo, TierConfig
 
 
 class TierError(RuntimeError):
@@ -30,10 +37,29 @@ class Evicted:
     data: torch.Tensor | None
 
 
+@dataclass(frozen=True)
+class TierPlacement:
+    """Where a tier instance lives and what its chunks look like."""
+
+    world_size: int
+    rank: int
+    """The worker's TP rank (0 for the scheduler half, which holds no chunk data)."""
+    chunk_shape: tuple[int, ...] = ()
+    """[num_layers, 2, chunk_size, kv_heads / tp, head_dim]; empty in the scheduler half."""
+    dtype: torch.dtype = torch.float32
+
+
 class Tier(ABC):
     kind: str
+    """The `kind` of its TierConfig."""
     medium: str
-    shared = False  # several instances see the same entries
+    """Its medium in KV events."""
+    shared = False
+    """Several instances see the same entries."""
+
+    @classmethod
+    @abstractmethod
+    def from_config(cls, config: TierConfig, placement: TierPlacement) -> Self: ...
 
     @abstractmethod
     def contains(self, key: str) -> bool: ...
@@ -53,6 +79,16 @@ class Tier(ABC):
     def entries(self) -> list[tuple[str, ChunkInfo]]:
         """What the tier holds (a disk tier finds its entries again after a restart)."""
         return []
+
+    def num_held_prefix(self, chunks: Sequence[Sequence[str]]) -> int:
+        """How many of `chunks` (each its per-rank keys), from the first, are held whole."""
+        num = 0
+        while num < len(chunks) and all(self.contains(k) for k in chunks[num]):
+            num += 1
+        return num
+
+    @abstractmethod
+    def check_integrity(self) -> None: ...
 
     def close(self) -> None:
         return None

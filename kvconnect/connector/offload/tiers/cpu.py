@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import Self
 
 import torch
 
-from kvconnect.connector.offload.common import ChunkInfo
-from kvconnect.connector.offload.tiers.base import Evicted, Tier
+from kvconnect.connector.offload.common import ChunkInfo, TierConfig
+from kvconnect.connector.offload.tiers.base import Evicted, Tier, TierPlacement
 
 
 class CpuTier(Tier):
     kind, medium = "cpu", "CPU"
+
+    @classmethod
+    def from_config(cls, config: TierConfig, placement: TierPlacement) -> Self:
+        return cls(config.max_bytes, placement.chunk_shape, placement.dtype)
 
     def __init__(self, max_bytes: int, chunk_shape: tuple[int, ...], dtype: torch.dtype) -> None:
         numel = 1
@@ -66,3 +71,10 @@ class CpuTier(Tier):
 
     def entries(self) -> list[tuple[str, ChunkInfo]]:
         return [(k, info) for k, (_, info) in self._index.items()]
+
+    def check_integrity(self) -> None:
+        used = [slot for slot, _ in self._index.values()]
+        assert len(set(used)) == len(used), "two chunks share a slot"
+        assert not set(used) & set(self._free), "a used slot is also free"
+        assert len(used) + len(self._free) == self.num_slots, "a slot is lost"
+        assert len(set(self._free)) == len(self._free), "a slot is free twice"

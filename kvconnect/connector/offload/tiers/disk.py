@@ -14,14 +14,16 @@ import logging
 import os
 from collections import OrderedDict
 from pathlib import Path
+from typing import Self
 
 import torch
 
-from kvconnect.connector.offload.common import ChunkInfo
+from kvconnect.connector.offload.common import ChunkInfo, TierConfig
 from kvconnect.connector.offload.tiers.base import (
     Evicted,
     Tier,
     TierError,
+    TierPlacement,
     pack,
     peek_key,
     unpack,
@@ -33,6 +35,12 @@ SUFFIX = ".kvchunk"
 
 class DiskTier(Tier):
     kind, medium = "disk", "DISK"
+
+    @classmethod
+    def from_config(cls, config: TierConfig, placement: TierPlacement) -> Self:
+        # One directory per rank: a rank owns and announces only its own files.
+        root = Path(config.path) / f"tp{placement.world_size}-rank{placement.rank}"
+        return cls(str(root), config.max_bytes)
 
     def __init__(self, path: str, max_bytes: int) -> None:
         self.root = Path(path).resolve()
@@ -132,3 +140,10 @@ class DiskTier(Tier):
 
     def entries(self) -> list[tuple[str, ChunkInfo]]:
         return [(k, info) for k, (_, info) in self._index.items()]
+
+    def check_integrity(self) -> None:
+        sizes = {self._path(k): size for k, (size, _) in self._index.items()}
+        assert sum(sizes.values()) == self.used_bytes, "used_bytes disagrees with the index"
+        assert self.used_bytes <= self.max_bytes, "over the byte budget"
+        on_disk = {p: p.stat().st_size for p in self.root.glob("*" + SUFFIX)}
+        assert on_disk == sizes, "the files on disk are not the indexed chunks"

@@ -1,21 +1,30 @@
 """Redis tier: chunks as values in a Redis server that several engine instances share.
 
-Values are the same self-checking records as the disk tier's. Redis evicts by its own policy
-(maxmemory), invisibly to us, so this tier announces stores only; a GET that misses or fails a
-check is a load error and the engine recomputes. A server that is down turns into errors that
-are logged and counted, never into a stuck step.
+Layout: one string value per chunk and rank, under `kvconnect:<chunk key>` (see
+`common.chunk_key`), holding the same self-checking record as a disk tier file. Redis evicts by
+its own policy (maxmemory), invisibly to us, so this tier announces stores only; a GET that
+misses or fails a check is a load error and the engine recomputes. A server that is down turns
+into errors that are logged and counted, never into a stuck step.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, Self
 
 import redis
 import torch
 
-from kvconnect.connector.offload.common import ChunkInfo
-from kvconnect.connector.offload.tiers.base import Evicted, Tier, TierError, pack, unpack
+from kvconnect.connector.offload.common import ChunkInfo, TierConfig
+from kvconnect.connector.offload.tiers.base import (
+    Evicted,
+    Tier,
+    TierError,
+    TierPlacement,
+    pack,
+    unpack,
+)
 
 logger = logging.getLogger(__name__)
 KEY_PREFIX = "kvconnect:"
@@ -35,6 +44,10 @@ def connect(url: str) -> redis.Redis:
 class RedisTier(Tier):
     kind, medium = "redis", "EXTERNAL"
     shared = True
+
+    @classmethod
+    def from_config(cls, config: TierConfig, placement: TierPlacement) -> Self:
+        return cls(config.url)
 
     def __init__(self, url: str) -> None:
         self.url = redact(url)
@@ -65,11 +78,28 @@ class RedisTier(Tier):
             return None
         return unpack(blob, key)[1]
 
+    def num_held_prefix(self, chunks: Sequence[Sequence[str]]) -> int:
+        """One pipelined round trip: an EXISTS of every rank's key per chunk."""
+        pipe = self._client.pipeline(transaction=False)
+        for keys in chunks:
+            pipe.exists(*[KEY_PREFIX + k for k in keys])
+        try:
+            counts = pipe.execute()
+        except redis.RedisError as e:
+            raise TierError(self._failed("exists", e)) from e
+        num = 0
+        while num < len(chunks) and counts[num] == len(chunks[num]):
+            num += 1
+        return num
+
     def remove(self, key: str) -> ChunkInfo | None:
         return None  # shared entries are not ours to delete
 
     def clear(self) -> list[tuple[str, ChunkInfo]]:
         return []
+
+    def check_integrity(self) -> None:
+        return None  # no local bookkeeping: the server holds the entries
 
     def _failed(self, op: str, e: Exception) -> str:
         self.num_errors += 1

@@ -1,11 +1,16 @@
-"""Tokenizers: bytes for the tiny model, tokenizer.json (Hugging Face `tokenizers`) otherwise."""
+"""Tokenizers: bytes for the built-in `tiny` model, a Hugging Face tokenizer.json otherwise.
+
+The router tokenizes exactly as the engines do, so this module imports nothing from the rest
+of the package (and no torch).
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Protocol
 
-from kvconnect.model.config import TINY_BOS, TINY_EOS
+BYTE_BOS, BYTE_EOS = 256, 257
+"""The byte tokenizer's special ids, after the 256 byte values."""
 
 
 class Tokenizer(Protocol):
@@ -18,8 +23,8 @@ class Tokenizer(Protocol):
 class ByteTokenizer:
     """UTF-8 bytes as token ids 0..255; 256 is BOS, 257 is EOS."""
 
-    bos_token_id = TINY_BOS
-    eos_token_id: int | None = TINY_EOS
+    bos_token_id = BYTE_BOS
+    eos_token_id: int | None = BYTE_EOS
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
@@ -42,3 +47,13 @@ class HFTokenizer:
 
     def decode(self, token_ids: list[int]) -> str:
         return str(self._tok.decode(token_ids))
+
+
+def load_tokenizer(model: str, eos_token_id: int | None = None) -> Tokenizer:
+    """The tokenizer of `model`: "tiny", or a checkpoint directory with a tokenizer.json."""
+    if model == "tiny":
+        return ByteTokenizer()
+    path = Path(model) / "tokenizer.json"
+    if not path.is_file():
+        raise ValueError(f"model {model!r}: no tokenizer.json in {str(Path(model))!r}")
+    return HFTokenizer(path, eos_token_id)
