@@ -14,8 +14,18 @@ Wire (identical to vLLM, see docs/architecture.md):
     live:    [topic, seq (8 bytes big-endian unsigned), payload]
     replay:  request  [b"", start_seq (8 bytes)]           from a DEALER (a REQ adds the b"")
              answer   [b"", topic, seq, payload] ...       every buffered batch >= start_seq
-                      [b"", b"", END_SEQ, b""]              END_SEQ = -1 as 8 signed bytes
+                      [b"", STATUS, END_SEQ, b""]           END_SEQ = -1 as 8 signed bytes
 A malformed request gets the terminator alone, so no client waits forever.
+
+The publisher's identity: `epoch`, random per publisher object, so a restarted process (or a
+new publisher on the same address) is a new stream whatever its seqs. It travels in the
+terminator's first frame, where vLLM sends an empty topic and vLLM readers look only at the
+last frames (an empty payload, seq -1): `STATUS = b"kvconnect epoch=<16 hex> next_seq=<n>"`.
+A replay request from a seq beyond the ring is the cheap first-contact handshake: the
+terminator alone, with the epoch and the next seq.
+
+The live socket is an XPUB (on the wire the same as vLLM's PUB): it sees its subscribers'
+subscriptions, so `num_subscriptions` and `wait_for_subscriber()` tell whether anyone listens.
 
 Threads: one sends live frames, one serves replays; each owns its socket. The ring is shared
 under a lock held only for an append or a snapshot.
@@ -24,13 +34,14 @@ under a lock held only for an append or a snapshot.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable
-from dataclasses import fields
-from queue import SimpleQueue
+from dataclasses import dataclass, fields
+from queue import Empty, SimpleQueue
 from typing import Any, ClassVar
 
 import zmq
@@ -41,8 +52,34 @@ from kvconnect.events import KVEventBatch, encode_batch
 logger = logging.getLogger(__name__)
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
+_STATUS_PREFIX = b"kvconnect "
 _LOOPBACK_HOSTS = ("localhost", "::1")
 _WILDCARD_HOSTS = ("*", "0.0.0.0", "::", "")
+_SUBSCRIPTION_CHECK_EVERY = 256  # live sends between reads of subscription messages when busy
+
+
+@dataclass(frozen=True)
+class PublisherStatus:
+    """What a kvconnect publisher says about itself in a replay terminator."""
+
+    epoch: str
+    """Random per publisher: a different epoch on the same address is a restart."""
+    next_seq: int
+    """The seq its next batch will get."""
+
+    def encode(self) -> bytes:
+        return _STATUS_PREFIX + f"epoch={self.epoch} next_seq={self.next_seq}".encode()
+
+    @classmethod
+    def decode(cls, frame: bytes) -> PublisherStatus | None:
+        """The status in a terminator's first frame; None for any other frame (vLLM's b"")."""
+        if not frame.startswith(_STATUS_PREFIX):
+            return None
+        try:
+            fields_ = dict(p.split("=", 1) for p in frame[len(_STATUS_PREFIX) :].decode().split())
+            return cls(fields_["epoch"], int(fields_["next_seq"]))
+        except (ValueError, KeyError, UnicodeDecodeError):
+            return None
 
 
 class EventPublisher(ABC):
@@ -143,18 +180,23 @@ class ZmqEventPublisher(EventPublisher):
         self._ring: deque[tuple[int, bytes, bytes]] = deque(maxlen=buffer_steps)
         self._queue: SimpleQueue[tuple[bytes, bytes] | None] = SimpleQueue()
         self._num_queued = 0  # written under the lock by publish()
-        self._num_dequeued = 0  # written only by the sending thread
+        self._num_dequeued = 0  # written only by the sending thread, after each send
         self._num_dropped = 0
         self._num_send_errors = 0
         self._closed = False
         self._abandon = False
         self._deadline = 0.0
         self._stop = threading.Event()
+        self.epoch = os.urandom(8).hex()
+        self._num_subscriptions = 0  # written only by the sending thread
+        self._subscriptions_changed = threading.Condition()
 
         ctx = context or zmq.Context.instance()
-        self._pub = ctx.socket(zmq.PUB)
+        self._pub = ctx.socket(zmq.XPUB)
         self._router: zmq.Socket[bytes] | None = None
         try:
+            # Every subscribe and unsubscribe (also of a peer that went away) comes up.
+            self._pub.setsockopt(zmq.XPUB_VERBOSER, 1)
             self._pub.setsockopt(zmq.SNDHWM, hwm)
             if self._bind:
                 self._pub.bind(self.endpoint)
@@ -218,6 +260,33 @@ class ZmqEventPublisher(EventPublisher):
         """Live sends that failed (still replayable)."""
         return self._num_send_errors
 
+    @property
+    def num_subscriptions(self) -> int:
+        """Subscriptions of connected subscribers, as the live socket last saw them."""
+        return self._num_subscriptions
+
+    def wait_for_subscriber(self, timeout: float = 10.0, num_subscriptions: int = 1) -> bool:
+        """Block until `num_subscriptions` subscriptions have reached the live socket (so the
+        next `publish()` goes to those subscribers); False after `timeout` seconds."""
+        with self._subscriptions_changed:
+            return self._subscriptions_changed.wait_for(
+                lambda: self._num_subscriptions >= num_subscriptions, timeout
+            )
+
+    def flush(self, timeout: float = 5.0) -> bool:
+        """Block until every batch queued so far has gone to the socket; False on timeout."""
+        target = self._num_queued
+        deadline = time.monotonic() + timeout
+        while self._num_dequeued < target:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.001)
+        return True
+
+    def status(self) -> PublisherStatus:
+        with self._lock:
+            return PublisherStatus(self.epoch, self._next_seq)
+
     def shutdown(self, timeout: float = 1.0) -> None:
         with self._lock:
             if self._closed:
@@ -238,13 +307,21 @@ class ZmqEventPublisher(EventPublisher):
     # -- threads ----------------------------------------------------------------------------
 
     def _send_loop(self) -> None:
-        pub, topic = self._pub, self._topic_bytes
+        pub, topic, queue = self._pub, self._topic_bytes, self._queue
         try:
             while True:
-                item = self._queue.get()
+                try:
+                    item = queue.get_nowait()
+                except Empty:
+                    self._read_subscriptions(pub)
+                    try:
+                        item = queue.get(timeout=0.05)
+                    except Empty:
+                        if self._abandon:
+                            break
+                        continue
                 if item is None or self._abandon:
                     break
-                self._num_dequeued += 1
                 try:
                     pub.send_multipart((topic, item[0], item[1]))
                 except zmq.ZMQError as e:
@@ -254,9 +331,26 @@ class ZmqEventPublisher(EventPublisher):
                         int.from_bytes(item[0], "big"),
                         e,
                     )
+                self._num_dequeued += 1
+                if self._num_dequeued % _SUBSCRIPTION_CHECK_EVERY == 0:
+                    self._read_subscriptions(pub)
         finally:
             linger_ms = int(max(0.0, self._deadline - time.monotonic()) * 1000)
             pub.close(linger=linger_ms)
+
+    def _read_subscriptions(self, pub: zmq.Socket[bytes]) -> None:
+        """Count the subscribe (b"\x01topic") and unsubscribe (b"\x00topic") messages."""
+        n = self._num_subscriptions
+        while pub.poll(0):
+            msg = pub.recv()
+            if msg[:1] == b"\x01":
+                n += 1
+            elif msg[:1] == b"\x00":
+                n = max(0, n - 1)
+        if n != self._num_subscriptions:
+            with self._subscriptions_changed:
+                self._num_subscriptions = n
+                self._subscriptions_changed.notify_all()
 
     def _replay_loop(self) -> None:
         router = self._router
@@ -274,7 +368,7 @@ class ZmqEventPublisher(EventPublisher):
             logger.warning(
                 "KV event replay: malformed request (%d frames); sent terminator", len(frames)
             )
-            router.send_multipart((identity, b"", b"", END_SEQ, b""))
+            router.send_multipart((identity, b"", self.status().encode(), END_SEQ, b""))
             return
         start_seq = int.from_bytes(frames[2], "big")
         with self._lock:
@@ -282,10 +376,12 @@ class ZmqEventPublisher(EventPublisher):
             # Seqs in the ring are contiguous, so the start is found by arithmetic.
             skip = max(0, start_seq - ring[0][0]) if ring else 0
             entries = list(ring)[skip:] if skip < len(ring) else []
+            status = PublisherStatus(self.epoch, self._next_seq)
         topic = self._topic_bytes
         for _, seq_bytes, payload in entries:
             router.send_multipart((identity, b"", topic, seq_bytes, payload))
-        router.send_multipart((identity, b"", b"", END_SEQ, b""))
+        # The next seq as of the snapshot: every batch before it was in this answer or live.
+        router.send_multipart((identity, b"", status.encode(), END_SEQ, b""))
 
 
 PublisherCtor = Callable[..., EventPublisher]
@@ -331,6 +427,7 @@ __all__ = [
     "EventPublisher",
     "EventPublisherFactory",
     "NullEventPublisher",
+    "PublisherStatus",
     "ZmqEventPublisher",
     "offset_endpoint",
     "should_bind",

@@ -4,18 +4,25 @@ Reads vLLM's stream unchanged (live frames `[topic, seq, payload]`, replay v1 or
 Per publisher stream it keeps the last seq it yielded and:
 - a seq gap: fetches the missing batches from the publisher's replay socket (DEALER) before
   the live batch; what replay no longer holds becomes an `EventsLost(first, last)` item;
-- a seq equal to or below the last one: the publisher restarted (live order from one
-  publisher is FIFO, so nothing else makes seq go back); yields `PublisherRestarted` and then
-  the new stream from seq 0, through replay where needed;
-- `start_seq` (e.g. 0): on a stream's first batch, catches up from that seq through replay,
-  which covers the slow-joiner gap and a subscriber restarted mid-stream;
+- a restarted publisher: yields `PublisherRestarted`, then the new stream from seq 0, through
+  replay where needed. A kvconnect publisher names itself in every replay terminator (its
+  `epoch`, see publisher.py), so a restart is seen whatever the seqs; a publisher that does not
+  (vLLM's) is taken to have restarted when its seq goes back;
+- `start_seq` (e.g. 0): catches up from that seq through replay as soon as the connection is
+  up, so an idle publisher's history arrives without waiting for its next batch;
 - frames that are not 3 frames with an 8-byte seq, and payloads that do not decode, are
   counted and skipped with a log line; nothing a peer sends ends the subscriber.
 
+The handshake. Whenever a connection to a publisher comes up (the first time, and after every
+reconnect) the subscriber asks that publisher's replay socket for everything after the last
+seq it has (or from `start_seq`, or nothing, just the terminator): that tells it the
+publisher's epoch and fills what it missed while away. Live batches that the answer already
+delivered are dropped as duplicates (`num_duplicates`).
+
 Streams: one socket per endpoint. Connected to publishers that bind (the usual layout) each
 endpoint is one publisher. With `bind=True` several publishers may connect to one address;
-their streams are told apart by topic and `data_parallel_rank`, and `replay_endpoint` may
-then map a rank to its publisher's replay address.
+their streams are told apart by topic and `data_parallel_rank`, `replay_endpoint` may then map
+a rank to its publisher's replay address, and catching up waits for a stream's first batch.
 
 Single-threaded: iterate (or call `recv`) from one thread; `close()` may come from any thread.
 """
@@ -31,8 +38,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
 from kvconnect.events import EventDecodeError, KVEventBatch, decode_batch
+from kvconnect.publisher import END_SEQ, PublisherStatus
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +63,8 @@ class PublisherRestarted:
     last_seq: int
     """The last seq received from the previous publisher."""
     first_seq: int
-    """The first live seq received from the new one."""
+    """The seq the new publisher's stream resumes from here (its batches before it, if any,
+    follow through replay)."""
 
 
 @dataclass(frozen=True)
@@ -89,11 +99,41 @@ SubscriberItem = ReceivedBatch | PublisherRestarted | EventsLost
 ReplayEndpoints = str | Sequence[str | None] | Mapping[int, str] | None
 
 
+_PROBE_SEQ = 2**64 - 1  # a replay from here returns only the terminator (with the status)
+_MONITORED = zmq.EVENT_HANDSHAKE_SUCCEEDED
+
+
 @dataclass
 class _Stream:
     id: StreamId
     source: int
     last_seq: int | None = None
+    dup_until: int = -1
+    """Live batches up to this seq were already yielded from a handshake's replay."""
+    epoch: str | None = None
+    """The publisher's epoch (bind layout, where one address has many publishers)."""
+
+
+@dataclass
+class _Source:
+    """One endpoint the subscriber reads, and what it knows of the publisher behind it."""
+
+    index: int
+    endpoint: str
+    sub: zmq.Socket[bytes]
+    monitor: zmq.Socket[bytes] | None
+    epoch: str | None = None
+    """The publisher's epoch (connect layout: one address, one publisher)."""
+
+
+@dataclass
+class _ReplayAnswer:
+    batches: list[tuple[bytes, int, bytes]]
+    """(topic, seq, payload) of every batch the publisher sent back, in seq order."""
+    status: PublisherStatus | None
+    """What a kvconnect publisher said about itself; None from others or on failure."""
+    complete: bool
+    """The terminator arrived (False: timeout or socket error)."""
 
 
 class KVEventSubscriber:
@@ -119,10 +159,12 @@ class KVEventSubscriber:
             raise ValueError(f"start_seq must be >= 0, got {start_seq}")
         self._start_seq = start_seq
         self._replay_timeout = replay_timeout
+        self._bind = bind
         self._topic = topic.encode()
         self._ctx = context or zmq.Context.instance()
         self._poller = zmq.Poller()
-        self._subs: list[zmq.Socket[bytes]] = []
+        self._sources: list[_Source] = []
+        self._by_socket: dict[zmq.Socket[bytes], tuple[_Source, bool]] = {}
         self._dealers: dict[str, zmq.Socket[bytes]] = {}
         self._streams: dict[tuple[int, bytes, int | None], _Stream] = {}
         self._pending: deque[SubscriberItem] = deque()
@@ -134,19 +176,31 @@ class KVEventSubscriber:
         self.num_gaps_repaired = 0
         self.num_batches_replayed = 0
         self.num_batches_lost = 0
-        for ep in self.endpoints:
-            sub = self._ctx.socket(zmq.SUB)
-            sub.setsockopt(zmq.RCVHWM, hwm)
-            sub.setsockopt(zmq.LINGER, 0)
-            sub.setsockopt(zmq.SUBSCRIBE, self._topic)
-            try:
-                sub.bind(ep) if bind else sub.connect(ep)
-            except zmq.ZMQError as e:
-                sub.close()
-                self.close()
-                raise ValueError(f"cannot {'bind' if bind else 'connect'} {ep!r}: {e}") from e
-            self._subs.append(sub)
-            self._poller.register(sub, zmq.POLLIN)
+        self.num_duplicates = 0
+        self.num_handshakes = 0
+        for i, ep in enumerate(self.endpoints):
+            self._open(i, ep, hwm)
+
+    def _open(self, index: int, endpoint: str, hwm: int) -> None:
+        sub = self._ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.RCVHWM, hwm)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.SUBSCRIBE, self._topic)
+        # Connected, each connection that comes up is one publisher: watch for it.
+        monitor = None if self._bind else sub.get_monitor_socket(_MONITORED)
+        source = _Source(index, endpoint, sub, monitor)
+        self._sources.append(source)
+        try:
+            sub.bind(endpoint) if self._bind else sub.connect(endpoint)
+        except zmq.ZMQError as e:
+            self.close()
+            raise ValueError(
+                f"cannot {'bind' if self._bind else 'connect'} {endpoint!r}: {e}"
+            ) from e
+        for sock, is_monitor in ((monitor, True), (sub, False)):
+            if sock is not None:
+                self._by_socket[sock] = (source, is_monitor)
+                self._poller.register(sock, zmq.POLLIN)
 
     def _check_replay(self, replay: ReplayEndpoints) -> ReplayEndpoints:
         if isinstance(replay, str) and len(self.endpoints) > 1:
@@ -161,14 +215,13 @@ class KVEventSubscriber:
             )
         return replay
 
-    def _replay_for(self, stream: _Stream) -> str | None:
+    def _replay_for(self, source: int, rank: int | None) -> str | None:
         replay = self._replay
         if replay is None or isinstance(replay, str):
             return replay
         if isinstance(replay, Mapping):
-            rank = stream.id.data_parallel_rank
             return replay.get(rank) if rank is not None else None
-        return replay[stream.source]
+        return replay[source]
 
     # -- reading ------------------------------------------------------------------------------
 
@@ -191,8 +244,13 @@ class KVEventSubscriber:
                 left = None if deadline is None else max(0.0, deadline - time.monotonic())
                 # Wake up now and then so that close() from another thread is noticed.
                 ready = self._poller.poll(100 if left is None else min(100, int(left * 1000)))
-                for sock, _ in ready:
-                    self._on_live(self._subs.index(sock), sock.recv_multipart())
+                # A connection's handshake comes before the live batches that follow it.
+                for sock, _ in sorted(ready, key=lambda r: not self._by_socket[r[0]][1]):
+                    source, is_monitor = self._by_socket[sock]
+                    if is_monitor:
+                        self._on_monitor(source, sock)
+                    else:
+                        self._on_live(source, sock.recv_multipart())
             finally:
                 with self._state_lock:
                     self._polling = False
@@ -200,7 +258,53 @@ class KVEventSubscriber:
                 return None
         return self._pending.popleft()
 
-    def _on_live(self, source: int, frames: list[bytes]) -> None:
+    def _on_monitor(self, source: _Source, sock: zmq.Socket[bytes]) -> None:
+        event = parse_monitor_message(sock.recv_multipart())
+        if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            self._handshake(source)
+
+    def _handshake(self, source: _Source) -> None:
+        """A connection to the publisher at `source` is up: learn who it is and catch up."""
+        replay = self._replay_for(source.index, None)
+        if replay is None:
+            return
+        self.num_handshakes += 1
+        streams = [st for st in self._streams.values() if st.source == source.index]
+        for st in streams:
+            st.dup_until = -1  # a new connection: only this answer can duplicate live batches
+        known = [st.last_seq for st in streams if st.last_seq is not None]
+        if known:
+            start = min(known) + 1
+        else:
+            start = _PROBE_SEQ if self._start_seq is None else self._start_seq
+        answer = self._request_replay(replay, start)
+        status = answer.status
+        if status is not None and source.epoch is not None and status.epoch != source.epoch:
+            answer = self._request_replay(replay, 0)
+            status = answer.status
+            resume = answer.batches[0][1] if answer.batches else status.next_seq if status else 0
+            for st in streams:
+                self._restarted(st, resume)
+        if status is not None:
+            source.epoch = status.epoch
+        for topic, seq, payload in answer.batches:
+            batch = self._decode(payload, seq)
+            if batch is None:
+                continue
+            stream = self._stream(source.index, topic, batch.data_parallel_rank)
+            if stream.last_seq is not None and seq <= stream.last_seq:
+                continue
+            if stream.last_seq is not None and seq > stream.last_seq + 1:
+                self._lost(stream, stream.last_seq + 1, seq - 1)
+            self._pending.append(ReceivedBatch(seq, batch, stream.id))
+            self.num_batches_replayed += 1
+            stream.last_seq = stream.dup_until = seq
+
+    def _restarted(self, stream: _Stream, first_seq: int) -> None:
+        self._pending.append(PublisherRestarted(stream.id, stream.last_seq or 0, first_seq))
+        stream.last_seq, stream.dup_until = None, -1
+
+    def _on_live(self, source: _Source, frames: list[bytes]) -> None:
         if len(frames) != 3 or len(frames[1]) != 8:
             self.num_bad_frames += 1
             logger.warning(
@@ -214,19 +318,40 @@ class KVEventSubscriber:
         batch = self._decode(payload, seq)
         if batch is None:
             return
-        stream = self._stream(source, topic, batch.data_parallel_rank)
+        stream = self._stream(source.index, topic, batch.data_parallel_rank)
         last = stream.last_seq
         if last is None:
             if self._start_seq is not None and seq > self._start_seq:
-                self._fill(stream, self._start_seq, seq)
+                self._fill(source, stream, self._start_seq, seq)
         elif seq <= last:
-            self._pending.append(PublisherRestarted(stream.id, last, seq))
+            if seq <= stream.dup_until or not self._is_restart(source, stream):
+                self.num_duplicates += 1
+                return
+            self._restarted(stream, seq)
             if seq > 0:
-                self._fill(stream, 0, seq)
+                self._fill(source, stream, 0, seq)
         elif seq > last + 1:
-            self._fill(stream, last + 1, seq)
+            self._fill(source, stream, last + 1, seq)
         self._pending.append(ReceivedBatch(seq, batch, stream.id))
         stream.last_seq = seq
+
+    def _identity(self, source: _Source, stream: _Stream) -> _Source | _Stream:
+        """Where the epoch of `stream`'s publisher is kept."""
+        return stream if self._bind else source
+
+    def _is_restart(self, source: _Source, stream: _Stream) -> bool:
+        """A seq went back outside a handshake's replay: a new publisher, unless the one we know
+        says it is still itself (then the batch is a late duplicate)."""
+        replay = self._replay_for(source.index, stream.id.data_parallel_rank)
+        owner = self._identity(source, stream)
+        if replay is None or owner.epoch is None:
+            return True
+        status = self._request_replay(replay, _PROBE_SEQ).status
+        if status is None:
+            return True
+        restarted = status.epoch != owner.epoch
+        owner.epoch = status.epoch
+        return restarted
 
     def _stream(self, source: int, topic: bytes, rank: int | None) -> _Stream:
         key = (source, topic, rank)
@@ -244,12 +369,23 @@ class KVEventSubscriber:
             logger.warning("KV event subscriber: skipped undecodable batch seq=%d: %s", seq, e)
             return None
 
-    def _fill(self, stream: _Stream, first: int, end: int) -> None:
-        """Queue batches [first, end) of `stream` from replay, and `EventsLost` for the rest."""
-        replay = self._replay_for(stream)
-        answers = self._request_replay(replay, first) if replay else []
+    def _fill(self, source: _Source, stream: _Stream, first: int, end: int) -> None:
+        """Queue batches [first, end) of `stream` from replay, and `EventsLost` for the rest.
+        An answer from a publisher with another epoch means it restarted: report that and read
+        the new one from 0 instead."""
+        replay = self._replay_for(source.index, stream.id.data_parallel_rank)
+        answer = self._request_replay(replay, first) if replay else None
+        status = answer.status if answer is not None else None
+        if status is not None:
+            owner = self._identity(source, stream)
+            if owner.epoch is not None and status.epoch != owner.epoch and first > 0:
+                owner.epoch = status.epoch
+                self._restarted(stream, end)
+                self._fill(source, stream, 0, end)
+                return
+            owner.epoch = status.epoch
         expected = first
-        for seq, payload in answers:
+        for _, seq, payload in answer.batches if answer is not None else ():
             if seq < expected or seq >= end:
                 continue
             batch = self._decode(payload, seq)
@@ -269,14 +405,14 @@ class KVEventSubscriber:
         logger.warning("KV event subscriber: %s lost batches %d..%d", stream.id, first, last)
         self._pending.append(EventsLost(stream.id, first, last))
 
-    def _request_replay(self, endpoint: str, start_seq: int) -> list[tuple[int, bytes]]:
-        """`(seq, payload)` of every batch the publisher still holds from `start_seq` on."""
+    def _request_replay(self, endpoint: str, start_seq: int) -> _ReplayAnswer:
+        """Every batch the publisher still holds from `start_seq` on, and its status."""
         sock = self._dealers.get(endpoint)
         if sock is None:
             sock = self._dealers[endpoint] = self._ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             sock.connect(endpoint)
-        out: list[tuple[int, bytes]] = []
+        answer = _ReplayAnswer([], None, False)
         deadline = time.monotonic() + self._replay_timeout
         try:
             sock.send_multipart((b"", start_seq.to_bytes(8, "big")), flags=zmq.NOBLOCK)
@@ -288,17 +424,23 @@ class KVEventSubscriber:
                 if frames and frames[0] == b"":
                     frames = frames[1:]
                 if not frames or frames[-1] == b"":
-                    return out  # terminator, v1 [END_SEQ, b""] or v2 [b"", END_SEQ, b""]
+                    # The terminator: v1 [END_SEQ, b""], v2 [b"", END_SEQ, b""], kvconnect's
+                    # [status, END_SEQ, b""].
+                    if len(frames) == 3 and frames[1] == END_SEQ:
+                        answer.status = PublisherStatus.decode(frames[0])
+                    answer.complete = True
+                    return answer
                 # v2 answers carry the topic first, v1 answers do not.
                 if len(frames) in (2, 3) and len(frames[-2]) == 8:
-                    out.append((int.from_bytes(frames[-2], "big"), frames[-1]))
+                    topic = frames[0] if len(frames) == 3 else b""
+                    answer.batches.append((topic, int.from_bytes(frames[-2], "big"), frames[-1]))
                 else:
                     self.num_bad_frames += 1
         except (zmq.ZMQError, TimeoutError) as e:
             logger.warning("KV event subscriber: replay from %s failed: %s", endpoint, e)
             # Late answers would be mistaken for the next request's: start a fresh socket.
             self._dealers.pop(endpoint).close(linger=0)
-            return out
+            return answer
 
     def close(self) -> None:
         """Close every socket; iteration ends. Idempotent. Safe from another thread: the
@@ -309,9 +451,15 @@ class KVEventSubscriber:
                 self._close_sockets()
 
     def _close_sockets(self) -> None:
-        for sock in [*self._subs, *self._dealers.values()]:
+        for source in self._sources:
+            if source.monitor is not None:
+                source.sub.disable_monitor()
+                source.monitor.close(linger=0)
+            source.sub.close(linger=0)
+        for sock in self._dealers.values():
             sock.close(linger=0)
-        self._subs.clear()
+        self._sources.clear()
+        self._by_socket.clear()
         self._dealers.clear()
 
     def __enter__(self) -> KVEventSubscriber:

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import socket
 import time
+from collections.abc import Callable
 from typing import Any
 
 import zmq
 
 from kvconnect.events import BlockRemoved, BlockStored, KVEventBatch
-
-SETTLE_S = 0.2  # time for a SUB subscription to reach a PUB on loopback
+from kvconnect.publisher import EventPublisher, ZmqEventPublisher
+from kvconnect.subscriber import KVEventSubscriber, ReceivedBatch, SubscriberItem
 
 
 def free_port(span: int = 1) -> int:
@@ -86,3 +87,63 @@ def replay_request(
                 return answers
     finally:
         dealer.close()
+
+
+def bound_xpub(endpoint: str, ctx: zmq.Context[Any] | None = None) -> zmq.Socket[bytes]:
+    """A raw publisher socket for hand-made frames: an XPUB, so a test can wait for its
+    subscriber (`wait_subscribed`) instead of sleeping."""
+    sock = (ctx or zmq.Context.instance()).socket(zmq.XPUB)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.bind(endpoint)
+    return sock
+
+
+def wait_subscribed(xpub: zmq.Socket[bytes], timeout: float = 10.0) -> None:
+    """Return once a subscription reached `xpub` (messages sent after this are delivered)."""
+    assert xpub.poll(int(timeout * 1000)), "no subscriber came"
+    assert xpub.recv()[:1] == b"\x01"
+
+
+def poll_until(
+    sub: KVEventSubscriber, condition: Callable[[], bool], timeout: float = 10.0
+) -> list[SubscriberItem]:
+    """Read `sub` until `condition()` holds; returns what came meanwhile. A SUB socket acts on
+    a reconnect (resubscribes) only while its owner uses it, so waiting for a reconnected
+    subscriber means reading it."""
+    items: list[SubscriberItem] = []
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        if (item := sub.recv(timeout=0.02)) is not None:
+            items.append(item)
+    return items
+
+
+def take(sub: KVEventSubscriber, num_batches: int, timeout: float = 10.0) -> list[SubscriberItem]:
+    """Items until `num_batches` batches have come (markers included), then a short check that
+    nothing else follows; fails the test if they do not come in time."""
+    items: list[SubscriberItem] = []
+    deadline = time.monotonic() + timeout
+    while sum(isinstance(i, ReceivedBatch) for i in items) < num_batches:
+        item = sub.recv(timeout=max(0.0, deadline - time.monotonic()))
+        assert item is not None, f"only {len(items)} items within {timeout}s: {items[-3:]}"
+        items.append(item)
+    while (extra := sub.recv(timeout=0.2)) is not None:  # nothing more may follow
+        items.append(extra)
+    return items
+
+
+def read_through(
+    sub: KVEventSubscriber, publisher: EventPublisher, timeout: float = 10.0
+) -> list[ReceivedBatch]:
+    """Every batch `sub` gets up to the last one `publisher` has published so far."""
+    assert isinstance(publisher, ZmqEventPublisher)
+    last = publisher.num_published - 1
+    batches: list[ReceivedBatch] = []
+    deadline = time.monotonic() + timeout
+    while last >= 0 and (not batches or batches[-1].seq < last):
+        item = sub.recv(timeout=max(0.0, deadline - time.monotonic()))
+        assert item is not None, f"seq {last} did not come; last seen {batches[-1:]}"
+        assert isinstance(item, ReceivedBatch), item
+        batches.append(item)
+    return batches

@@ -4,6 +4,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator
+from queue import Empty
 from typing import Any
 
 import pytest
@@ -16,13 +17,17 @@ from kvconnect.publisher import (
     EventPublisher,
     EventPublisherFactory,
     NullEventPublisher,
+    PublisherStatus,
     ZmqEventPublisher,
     offset_endpoint,
     should_bind,
 )
-from tests.helpers import SETTLE_S, batch_id, make_batch, recv_frames, replay_request, tcp_pair
+from tests.helpers import batch_id, make_batch, recv_frames, replay_request, tcp_pair
 
-TERMINATOR = [b"", END_SEQ, b""]
+
+def terminator(pub: ZmqEventPublisher) -> list[bytes]:
+    """The last answer of a replay: the publisher's status, then vLLM's END_SEQ and b""."""
+    return [pub.status().encode(), END_SEQ, b""]
 
 
 @pytest.fixture
@@ -31,12 +36,14 @@ def ctx() -> Iterator[zmq.Context[Any]]:
     yield c
 
 
-def raw_sub(ctx: zmq.Context[Any], endpoint: str, topic: bytes = b"") -> zmq.Socket[bytes]:
+def raw_sub(ctx: zmq.Context[Any], pub: ZmqEventPublisher, topic: bytes = b"") -> zmq.Socket[bytes]:
+    """A plain SUB socket on `pub`, returned once `pub` has its subscription."""
+    before = pub.num_subscriptions
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.LINGER, 0)
     sub.setsockopt(zmq.SUBSCRIBE, topic)
-    sub.connect(endpoint)
-    time.sleep(SETTLE_S)
+    sub.connect(pub.endpoint)
+    assert pub.wait_for_subscriber(num_subscriptions=before + 1), "no subscription arrived"
     return sub
 
 
@@ -44,20 +51,41 @@ def seq_of(frames: list[bytes]) -> int:
     return int.from_bytes(frames[-2], "big")
 
 
+class _GatedQueue:
+    """The publisher's queue, but nothing comes out of it until `gate` is set."""
+
+    def __init__(self, inner: Any, gate: threading.Event) -> None:
+        self.inner, self.gate = inner, gate
+
+    def put(self, item: Any) -> None:
+        self.inner.put(item)
+
+    def get_nowait(self) -> Any:
+        if not self.gate.is_set():
+            raise Empty
+        return self.inner.get_nowait()
+
+    def get(self, timeout: float | None = None) -> Any:
+        if not self.gate.wait(timeout):
+            raise Empty
+        return self.inner.get(timeout=timeout)
+
+
 class StalledPublisher(ZmqEventPublisher):
-    """A publisher whose sending thread is held until `release` is set: a stuck live path."""
+    """A publisher whose sending thread sends nothing until `release` is set: a stuck live
+    path (it still sees subscriptions, so tests can wait for them)."""
 
     release = threading.Event()
 
     def _send_loop(self) -> None:
-        self.release.wait()
+        self._queue = _GatedQueue(self._queue, self.release)  # type: ignore[assignment]
         super()._send_loop()
 
 
 def test_live_frames_are_exactly_topic_seq_payload(ctx: zmq.Context[Any]) -> None:
     ep, rp = tcp_pair()
     pub = ZmqEventPublisher(endpoint=ep, replay_endpoint=rp, topic="kv@10.0.0.1@m")
-    sub = raw_sub(ctx, ep)
+    sub = raw_sub(ctx, pub)
     try:
         sent = [make_batch(i, num_events=3) for i in range(10)]
         for b in sent:
@@ -88,13 +116,13 @@ def test_replay_from_middle_returns_exactly_the_later_batches(ctx: zmq.Context[A
             pub.publish(b)
             payloads.append(b)
         answers = replay_request(rp, [b"", (10).to_bytes(8, "big")])
-        assert answers[-1] == TERMINATOR
+        assert answers[-1] == terminator(pub)
         data = answers[:-1]
         assert [seq_of(a) for a in data] == list(range(10, 19))
         assert all(a[0] == b"test" and len(a) == 3 for a in data)
         assert [batch_id(decode_batch(a[2])) for a in data] == list(range(10, 19))
         # Beyond the newest: just the terminator.
-        assert replay_request(rp, [b"", (19).to_bytes(8, "big")]) == [TERMINATOR]
+        assert replay_request(rp, [b"", (19).to_bytes(8, "big")]) == [terminator(pub)]
     finally:
         pub.shutdown()
 
@@ -141,7 +169,7 @@ def test_malformed_replay_requests_get_the_terminator(frames: list[bytes]) -> No
     pub = ZmqEventPublisher(endpoint=ep, replay_endpoint=rp)
     try:
         pub.publish(make_batch(0))
-        assert replay_request(rp, frames) == [TERMINATOR]
+        assert replay_request(rp, frames) == [terminator(pub)]
         # And the socket still serves good requests afterwards.
         answers = replay_request(rp, [b"", (0).to_bytes(8, "big")])
         assert [seq_of(a) for a in answers[:-1]] == [0]
@@ -152,7 +180,7 @@ def test_malformed_replay_requests_get_the_terminator(frames: list[bytes]) -> No
 def test_topic_filtering(ctx: zmq.Context[Any]) -> None:
     ep, _ = tcp_pair()
     pub = ZmqEventPublisher(endpoint=ep, topic="foo")
-    foo, bar = raw_sub(ctx, ep, b"foo"), raw_sub(ctx, ep, b"bar")
+    foo, bar = raw_sub(ctx, pub, b"foo"), raw_sub(ctx, pub, b"bar")
     try:
         for i in range(3):
             pub.publish(make_batch(i))
@@ -170,7 +198,7 @@ def test_dp_rank_offsets_tcp_ports(ctx: zmq.Context[Any]) -> None:
     pub1 = ZmqEventPublisher(data_parallel_rank=1, endpoint=ep, replay_endpoint=rp)
     assert pub1.endpoint == f"tcp://127.0.0.1:{base_port + 1}"
     assert pub1.replay_endpoint == f"tcp://127.0.0.1:{base_port + 3}"
-    sub = raw_sub(ctx, pub1.endpoint)
+    sub = raw_sub(ctx, pub1)
     try:
         pub1.publish(make_batch(0, num_events=2))
         frames = recv_frames(sub)
@@ -188,7 +216,7 @@ def test_dp_rank_offsets_ipc_paths(ctx: zmq.Context[Any]) -> None:
         pub1 = ZmqEventPublisher(data_parallel_rank=1, endpoint=ep, replay_endpoint=rp)
         assert pub1.endpoint == f"ipc://{d}/kv_dp1"
         assert os.path.exists(f"{d}/kv_dp1") and os.path.exists(f"{d}/kv-replay_dp1")
-        sub = raw_sub(ctx, pub1.endpoint)
+        sub = raw_sub(ctx, pub1)
         try:
             pub1.publish(make_batch(0))
             frames = recv_frames(sub)
@@ -200,7 +228,7 @@ def test_dp_rank_offsets_ipc_paths(ctx: zmq.Context[Any]) -> None:
 
 def test_inproc_transport(ctx: zmq.Context[Any]) -> None:
     pub = ZmqEventPublisher(endpoint="inproc://kv-test", replay_endpoint="inproc://kv-test-r")
-    sub = raw_sub(ctx, "inproc://kv-test")
+    sub = raw_sub(ctx, pub)
     try:
         pub.publish(make_batch(4))
         frames = recv_frames(sub)
@@ -245,7 +273,7 @@ def test_full_queue_drops_live_but_keeps_replayable_and_publish_never_waits(
     ep, rp = tcp_pair()
     StalledPublisher.release.clear()
     pub = StalledPublisher(endpoint=ep, replay_endpoint=rp, max_queue_size=5)
-    sub = raw_sub(ctx, ep)
+    sub = raw_sub(ctx, pub)
     try:
         for i in range(50):  # the sending thread is stuck: publish() must still return
             pub.publish(make_batch(i))
@@ -268,7 +296,7 @@ def test_shutdown_flushes_is_idempotent_and_publish_after_raises(
 ) -> None:
     ep, _ = tcp_pair()
     pub = ZmqEventPublisher(endpoint=ep)
-    sub = raw_sub(ctx, ep)
+    sub = raw_sub(ctx, pub)
     try:
         for i in range(2000):
             pub.publish(make_batch(i, num_events=4))
@@ -360,3 +388,39 @@ def test_factory_registry() -> None:
     assert pub.kwargs["topic"] == "t" and "publisher" not in pub.kwargs
     with pytest.raises(ValueError, match=r"unknown event publisher 'nope'; known: .*null.*zmq"):
         EventPublisherFactory.create(KVEventsConfig(enable_kv_cache_events=True, publisher="nope"))
+
+
+def test_each_publisher_has_its_own_epoch_in_the_replay_terminator() -> None:
+    ep, rp = tcp_pair()
+    pub = ZmqEventPublisher(endpoint=ep, replay_endpoint=rp)
+    try:
+        for i in range(3):
+            pub.publish(make_batch(i))
+        # A start beyond the ring is the first-contact handshake: the terminator alone.
+        (last,) = replay_request(rp, [b"", (2**64 - 1).to_bytes(8, "big")])
+        # vLLM readers end on seq -1 and an empty last frame; the status rides in front.
+        assert last[-2:] == [END_SEQ, b""]
+        status = PublisherStatus.decode(last[0])
+        assert status == PublisherStatus(pub.epoch, 3) and len(pub.epoch) == 16
+    finally:
+        pub.shutdown()
+    other = ZmqEventPublisher(endpoint=ep, replay_endpoint=rp)
+    other.shutdown()
+    assert other.epoch != pub.epoch
+    assert PublisherStatus.decode(b"") is None and PublisherStatus.decode(b"kvconnect x") is None
+
+
+def test_subscriptions_are_counted_and_wait_for_subscriber_times_out(
+    ctx: zmq.Context[Any],
+) -> None:
+    ep, _ = tcp_pair()
+    pub = ZmqEventPublisher(endpoint=ep)
+    try:
+        assert pub.num_subscriptions == 0 and not pub.wait_for_subscriber(timeout=0.2)
+        sub = raw_sub(ctx, pub)
+        assert pub.num_subscriptions == 1
+        sub.close()
+        with pub._subscriptions_changed:  # the peer's unsubscribe comes up when it leaves
+            assert pub._subscriptions_changed.wait_for(lambda: pub.num_subscriptions == 0, 10)
+    finally:
+        pub.shutdown()

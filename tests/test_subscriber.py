@@ -3,6 +3,7 @@ import json
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from typing import Any
@@ -22,16 +23,17 @@ from kvconnect.subscriber import (
     StreamId,
     SubscriberItem,
 )
-from tests.helpers import SETTLE_S, batch_id, make_batch, replay_request, tcp_pair
+from tests.helpers import (
+    batch_id,
+    bound_xpub,
+    make_batch,
+    poll_until,
+    replay_request,
+    take,
+    tcp_pair,
+    wait_subscribed,
+)
 from tests.test_publisher import StalledPublisher
-
-
-def drain(sub: KVEventSubscriber, idle: float = 0.5) -> list[SubscriberItem]:
-    """Every item until none arrives for `idle` seconds."""
-    items = []
-    while (item := sub.recv(timeout=idle)) is not None:
-        items.append(item)
-    return items
 
 
 def seqs(items: list[SubscriberItem]) -> list[int]:
@@ -42,11 +44,11 @@ def test_yields_seq_and_batch_in_order() -> None:
     ep, rp = tcp_pair()
     pub = ZmqEventPublisher(endpoint=ep, replay_endpoint=rp, topic="kv")
     sub = KVEventSubscriber(ep, rp, topic="kv")
-    time.sleep(SETTLE_S)
+    assert pub.wait_for_subscriber()
     try:
         for i in range(20):
             pub.publish(make_batch(i, num_events=3))
-        items = drain(sub)
+        items = take(sub, 20)
         assert seqs(items) == list(range(20))
         seq, batch = items[5]  # type: ignore[misc]
         assert seq == 5 and batch_id(batch) == 5
@@ -62,14 +64,14 @@ def test_gap_is_repaired_from_replay_before_later_batches() -> None:
     StalledPublisher.release.clear()
     pub = StalledPublisher(endpoint=ep, replay_endpoint=rp, max_queue_size=3)
     sub = KVEventSubscriber(ep, rp)
-    time.sleep(SETTLE_S)
+    assert pub.wait_for_subscriber()
     try:
         for i in range(10):  # 0..2 queued live, 3..9 dropped from the live path
             pub.publish(make_batch(i))
         StalledPublisher.release.set()
-        time.sleep(SETTLE_S)
+        assert pub.flush()  # the live queue has room again
         pub.publish(make_batch(10))  # live 10 after live 2: the gap 3..9 is fetched first
-        items = drain(sub)
+        items = take(sub, 11)
         assert seqs(items) == list(range(11))
         assert [batch_id(i.batch) for i in items if isinstance(i, ReceivedBatch)] == list(range(11))
         assert sub.num_gaps_repaired == 1 and sub.num_batches_replayed == 7
@@ -84,14 +86,14 @@ def test_ring_overrun_is_reported_as_events_lost() -> None:
     StalledPublisher.release.clear()
     pub = StalledPublisher(endpoint=ep, replay_endpoint=rp, max_queue_size=2, buffer_steps=5)
     sub = KVEventSubscriber(ep, rp)
-    time.sleep(SETTLE_S)
+    assert pub.wait_for_subscriber()
     try:
         for i in range(20):  # live: 0, 1; the ring then holds 15..19
             pub.publish(make_batch(i))
         StalledPublisher.release.set()
-        time.sleep(SETTLE_S)
+        assert pub.flush()
         pub.publish(make_batch(20))  # ring now 16..20
-        items = drain(sub)
+        items = take(sub, 7)
         lost = [i for i in items if isinstance(i, EventsLost)]
         assert lost == [EventsLost(StreamId(ep, "", 0), 2, 15)]
         assert seqs(items) == [0, 1, *range(16, 21)]
@@ -108,14 +110,14 @@ def test_gap_without_replay_endpoint_is_lost_not_hidden() -> None:
     StalledPublisher.release.clear()
     pub = StalledPublisher(endpoint=ep, max_queue_size=1)
     sub = KVEventSubscriber(ep)
-    time.sleep(SETTLE_S)
+    assert pub.wait_for_subscriber()
     try:
         for i in range(4):
             pub.publish(make_batch(i))
         StalledPublisher.release.set()
-        time.sleep(SETTLE_S)
+        assert pub.flush()
         pub.publish(make_batch(4))
-        items = drain(sub)
+        items = take(sub, 2)
         assert seqs(items) == [0, 4]
         assert [i for i in items if isinstance(i, EventsLost)] == [
             EventsLost(StreamId(ep, "", 0), 1, 3)
@@ -133,10 +135,42 @@ def test_start_seq_zero_catches_up_the_slow_joiner_gap() -> None:
         for i in range(30):
             pub.publish(make_batch(i))
         sub = KVEventSubscriber(ep, rp, start_seq=0)
-        time.sleep(SETTLE_S)
+        assert pub.wait_for_subscriber()
         pub.publish(make_batch(30))
-        items = drain(sub)
-        assert seqs(items) == list(range(31))
+        items = take(sub, 31)
+        assert seqs(items) == list(range(31))  # each once, though some came twice
+        sub.close()
+    finally:
+        pub.shutdown()
+
+
+def test_a_late_subscriber_catches_up_on_an_idle_stream_at_connect() -> None:
+    ep, rp = tcp_pair()
+    pub = ZmqEventPublisher(endpoint=ep, replay_endpoint=rp)
+    try:
+        for i in range(500):
+            pub.publish(make_batch(i))
+        # No batch is published after the subscriber joins: the handshake alone catches up.
+        with KVEventSubscriber(ep, rp, start_seq=0) as sub:
+            items = take(sub, 500)
+            assert seqs(items) == list(range(500)) and sub.num_handshakes == 1
+    finally:
+        pub.shutdown()
+
+
+def test_live_batches_that_the_handshake_already_replayed_are_dropped_once() -> None:
+    ep, rp = tcp_pair()
+    pub = ZmqEventPublisher(endpoint=ep, replay_endpoint=rp)
+    try:
+        sub = KVEventSubscriber(ep, rp, start_seq=0)
+        assert pub.wait_for_subscriber()
+        for i in range(50):  # live to the subscriber, and in the ring its handshake reads
+            pub.publish(make_batch(i))
+        items = take(sub, 50)
+        assert seqs(items) == list(range(50))
+        # The handshake (handled before the queued live batches) replayed all 50 from the
+        # ring; their live copies came after and were dropped.
+        assert sub.num_batches_replayed == 50 and sub.num_duplicates == 50
         sub.close()
     finally:
         pub.shutdown()
@@ -159,33 +193,88 @@ def test_publisher_restart_is_reported_then_new_stream_read_from_zero() -> None:
     ep, rp = tcp_pair()
     pub = ZmqEventPublisher(endpoint=ep, replay_endpoint=rp)
     sub = KVEventSubscriber(ep, rp)
-    time.sleep(SETTLE_S)
+    assert pub.wait_for_subscriber()
     try:
         for i in range(5):
             pub.publish(make_batch(i))
-        first = drain(sub)
+        first = take(sub, 5)
         assert seqs(first) == [0, 1, 2, 3, 4]
         pub.shutdown()
         pub = rebind(ep, rp)
-        # Publish until the reconnected subscriber sees something.
-        items: list[SubscriberItem] = []
-        n = 0
-        deadline = time.monotonic() + 10
-        while not items and time.monotonic() < deadline:
-            pub.publish(make_batch(100 + n))
-            n += 1
-            items = drain(sub, idle=0.1)
-        items += drain(sub, idle=0.3)
+        new = pub
+        items = poll_until(sub, lambda: new.num_subscriptions > 0)  # it reconnects by itself
+        for k in range(3):
+            pub.publish(make_batch(100 + k))
+        items += take(sub, 3)
         restarted = items[0]
         assert isinstance(restarted, PublisherRestarted)
         assert restarted.last_seq == 4 and restarted.stream == StreamId(ep, "", 0)
-        assert seqs(items[1:]) == list(range(n))  # the new stream from 0, replayed as needed
+        assert seqs(items[1:]) == [0, 1, 2]  # the new stream from 0, replayed as needed
         assert [batch_id(i.batch) for i in items[1:] if isinstance(i, ReceivedBatch)] == [
-            100 + k for k in range(n)
+            100,
+            101,
+            102,
         ]
     finally:
         sub.close()
         pub.shutdown()
+
+
+@pytest.mark.parametrize("new_publishes", [100, 200])
+def test_a_restart_behind_a_disconnect_is_seen_whatever_the_new_seqs(new_publishes: int) -> None:
+    """A publishes 0..99 and stops; B, on the same addresses, publishes 0..N-1 before the
+    subscriber is back. N=100 continues A's seqs exactly, N=200 passes them: in neither case
+    may B's batches be read as A's continuation."""
+    ep, rp = tcp_pair()
+    a = ZmqEventPublisher(endpoint=ep, replay_endpoint=rp)
+    sub = KVEventSubscriber(ep, rp)
+    assert a.wait_for_subscriber()
+    b = None
+    try:
+        for i in range(100):
+            a.publish(make_batch(i))
+        assert seqs(take(sub, 100)) == list(range(100))
+        a.shutdown()
+        b = rebind(ep, rp)
+        for i in range(new_publishes):
+            b.publish(make_batch(1000 + i))
+        new = b
+        items = poll_until(sub, lambda: new.num_subscriptions > 0)
+        b.publish(make_batch(1000 + new_publishes))  # the next live batch
+        items += take(sub, new_publishes + 1 - sum(isinstance(i, ReceivedBatch) for i in items))
+        assert items[0] == PublisherRestarted(StreamId(ep, "", 0), 99, 0)
+        assert seqs(items[1:]) == list(range(new_publishes + 1))
+        assert [batch_id(i.batch) for i in items[1:] if isinstance(i, ReceivedBatch)] == [
+            1000 + k for k in range(new_publishes + 1)
+        ]
+    finally:
+        sub.close()
+        a.shutdown()
+        if b is not None:
+            b.shutdown()
+
+
+def test_a_vllm_publisher_restart_is_seen_by_its_seq_going_back() -> None:
+    """vLLM's publisher has no epoch: its restart shows only as seq starting over."""
+    with tempfile.TemporaryDirectory() as d:
+        ep = f"ipc://{d}/ev"
+        sub = KVEventSubscriber(ep)
+        first = bound_xpub(ep)
+        wait_subscribed(first)
+        for i in range(5):
+            first.send_multipart([b"", i.to_bytes(8, "big"), encode_batch(make_batch(i))])
+        assert seqs(take(sub, 5)) == list(range(5))
+        first.close(linger=0)
+        second = bound_xpub(ep)
+        poll_until(sub, lambda: bool(second.poll(0)))
+        wait_subscribed(second)
+        for i in range(2):
+            second.send_multipart([b"", i.to_bytes(8, "big"), encode_batch(make_batch(50 + i))])
+        items = take(sub, 2)
+        assert items[0] == PublisherRestarted(StreamId(ep, "", None), 4, 0)
+        assert seqs(items[1:]) == [0, 1]
+        sub.close()
+        second.close(linger=0)
 
 
 def test_follows_several_publishers_keeping_order_per_publisher() -> None:
@@ -194,11 +283,11 @@ def test_follows_several_publishers_keeping_order_per_publisher() -> None:
         ZmqEventPublisher(data_parallel_rank=r, endpoint=ep, replay_endpoint=rp) for r in (0, 1)
     ]
     sub = KVEventSubscriber([p.endpoint for p in pubs], [p.replay_endpoint for p in pubs])
-    time.sleep(SETTLE_S)
+    assert all(p.wait_for_subscriber() for p in pubs)
     try:
         for i in range(40):
             pubs[i % 2].publish(make_batch(i))
-        items = drain(sub)
+        items = take(sub, 40)
         by_rank: dict[int | None, list[int]] = {0: [], 1: []}
         for it in items:
             assert isinstance(it, ReceivedBatch)
@@ -226,17 +315,19 @@ def test_bind_layout_publishers_connect_and_replay_by_rank() -> None:
     assert pubs[1].endpoint == ep  # connecting publishers keep the collector's address
     assert pubs[1].replay_endpoint == replays[1]
     # A bound SUB learns of new peers (and sends them its subscription) only while it is
-    # being polled, so poll instead of sleeping.
-    assert sub.recv(timeout=SETTLE_S) is None
+    # being polled: poll it until both publishers have its subscription.
+    deadline = time.monotonic() + 10
+    while not all(p.num_subscriptions for p in pubs):
+        assert sub.recv(timeout=0.05) is None and time.monotonic() < deadline
     try:
         for i in range(6):
             for p in pubs:
                 p.publish(make_batch(i))
         StalledPublisher.release.set()
-        time.sleep(SETTLE_S)
+        assert all(p.flush() for p in pubs)
         for p in pubs:
             p.publish(make_batch(6))
-        items = drain(sub)
+        items = take(sub, 14)
         per_rank = {
             r: [
                 i.seq
@@ -258,8 +349,7 @@ def test_reads_v1_replay_answers_of_older_vllm() -> None:
     """An older vLLM publisher answers replays without the topic frame."""
     ep, rp = tcp_pair()
     ctx: zmq.Context[Any] = zmq.Context.instance()
-    pub, router = ctx.socket(zmq.PUB), ctx.socket(zmq.ROUTER)
-    pub.bind(ep)
+    pub, router = bound_xpub(ep), ctx.socket(zmq.ROUTER)
     router.bind(rp)
     payloads = [encode_batch(make_batch(i)) for i in range(5)]
     stop = threading.Event()
@@ -275,10 +365,10 @@ def test_reads_v1_replay_answers_of_older_vllm() -> None:
     t = threading.Thread(target=serve, daemon=True)
     t.start()
     sub = KVEventSubscriber(ep, rp, start_seq=0)
-    time.sleep(SETTLE_S)
+    wait_subscribed(pub)
     try:
         pub.send_multipart([b"", (4).to_bytes(8, "big"), payloads[4]])
-        assert seqs(drain(sub)) == [0, 1, 2, 3, 4]
+        assert seqs(take(sub, 5)) == [0, 1, 2, 3, 4]
     finally:
         stop.set()
         t.join()
@@ -289,17 +379,15 @@ def test_reads_v1_replay_answers_of_older_vllm() -> None:
 
 def test_garbage_frames_are_counted_and_skipped() -> None:
     ep, _ = tcp_pair()
-    ctx: zmq.Context[Any] = zmq.Context.instance()
-    pub = ctx.socket(zmq.PUB)
-    pub.bind(ep)
+    pub = bound_xpub(ep)
     sub = KVEventSubscriber(ep)
-    time.sleep(SETTLE_S)
+    wait_subscribed(pub)
     try:
         pub.send_multipart([b"only one frame"])
         pub.send_multipart([b"", b"short", b"x"])
         pub.send_multipart([b"", (0).to_bytes(8, "big"), b"\xc1not msgpack"])
         pub.send_multipart([b"", (1).to_bytes(8, "big"), encode_batch(make_batch(1))])
-        items = drain(sub)
+        items = take(sub, 1)
         assert seqs(items) == [1]
         assert sub.num_bad_frames == 2 and sub.num_decode_errors == 1
     finally:
@@ -310,14 +398,12 @@ def test_garbage_frames_are_counted_and_skipped() -> None:
 @pytest.fixture(scope="module")
 def fuzz_target() -> Any:
     ep, rp = tcp_pair()
-    ctx: zmq.Context[Any] = zmq.Context.instance()
-    raw = ctx.socket(zmq.PUB)
-    raw.bind(ep)
+    raw = bound_xpub(ep)
     publisher = ZmqEventPublisher(
         endpoint=f"tcp://127.0.0.1:{int(rp.rsplit(':', 1)[1]) + 1}", replay_endpoint=rp
     )
     sub = KVEventSubscriber(ep)
-    time.sleep(SETTLE_S)
+    wait_subscribed(raw)
     yield raw, sub, publisher, rp
     sub.close()
     raw.close(linger=0)
@@ -410,7 +496,7 @@ def test_subscriber_process_killed_and_restarted_sees_every_batch_in_order() -> 
     first = tail(0)
     feeder = threading.Thread(target=feed, daemon=True)
     try:
-        time.sleep(1.0)  # let the first subscriber start
+        assert pub.wait_for_subscriber(timeout=30)  # the first subscriber process is up
         feeder.start()
         seen = read_json_lines(first, until_seq=120)
         first.kill()  # SIGKILL mid-stream
@@ -455,15 +541,20 @@ def test_stalled_subscriber_gets_every_batch_once_through_replay_after_resuming(
     total = 3000
     pub = ZmqEventPublisher(endpoint=ep, replay_endpoint=rp, hwm=10, buffer_steps=total + 10)
     sub = KVEventSubscriber(ep, rp, hwm=10)
-    time.sleep(SETTLE_S)
+    assert pub.wait_for_subscriber()
     try:
         for i in range(total):  # nobody reads: ZMQ drops live messages past the HWMs
             pub.publish(make_batch(i, num_events=4))
         # The stalled reader never held up publish(): nothing was dropped from its queue.
         assert pub.num_published == total and pub.num_dropped == 0
-        items = drain(sub)  # the subscriber resumes: it reads what ZMQ kept
-        pub.publish(make_batch(total))  # a live batch after the stall reveals the gap
-        items += drain(sub)
+        # The subscriber resumes: it reads what ZMQ kept (everything queued is local, so a
+        # quiet 0.3 s means the queues are empty)...
+        kept: list[SubscriberItem] = []
+        while (item := sub.recv(timeout=0.3)) is not None:
+            kept.append(item)
+        assert 0 < len(kept) < total
+        pub.publish(make_batch(total))  # ...then a live batch after the stall reveals the gap
+        items = kept + take(sub, total + 1 - len(kept))
         assert seqs(items) == list(range(total + 1))
         assert [batch_id(i.batch) for i in items if isinstance(i, ReceivedBatch)] == list(
             range(total + 1)

@@ -119,6 +119,12 @@ class MultiConnector(KVConnectorBase):
     def connectors(self) -> tuple[KVConnectorBase, ...]:
         return tuple(self._connectors)
 
+    @property
+    def num_tracked_requests(self) -> int:
+        """Requests this MultiConnector still keeps state for (a chosen loader, savers to
+        count down); 0 once every request it saw has finished and been reported."""
+        return len(self._requests_to_connector) + len(self._extra_async_saves)
+
     # -- worker side --------------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: Mapping[str, Any]) -> None:

@@ -106,6 +106,9 @@ def test_loads_come_from_the_first_child_with_matched_tokens() -> None:
     assert all(child(c, i).calls[-1][0] == "get_num_new_matched_tokens" for i in range(3))
     c.update_state_after_alloc(req, [4, 5], 8)
     assert [child(c, i).calls[-1][2:] for i in range(3)] == [([], 0), ([4, 5], 8), ([], 0)]
+    assert c.num_tracked_requests == 1  # it remembers who loads r1 until r1 finishes
+    c.request_finished(req, [4, 5])
+    assert c.num_tracked_requests == 0
 
 
 def test_a_child_still_looking_makes_the_request_wait() -> None:
@@ -141,6 +144,7 @@ def test_request_with_two_async_savers_finishes_once_after_the_last() -> None:
         finished.append(worker.get_finished({"r1"} if step == 0 else set())[0])
         worker.clear_connector_metadata()
     assert finished == [None, None, {"r1"}, None]  # CPU done at step 0 is held back
+    assert sched.num_tracked_requests == 0 and worker.num_tracked_requests == 0
 
 
 def test_kv_transfer_params_clash_names_the_key() -> None:

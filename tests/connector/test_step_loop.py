@@ -34,6 +34,9 @@ def assert_no_leaks(loop: StepLoop) -> None:
         q.check_integrity()
         assert q.num_pending == 0 and q.num_expired == 0
     assert loop.aggregator.num_pending == 0
+    for c in [loop.scheduler, *loop.workers]:
+        if isinstance(c, MultiConnector):
+            assert c.num_tracked_requests == 0
 
 
 def test_tp2_store_is_published_once_not_per_rank() -> None:
@@ -100,4 +103,5 @@ def test_async_saves_of_two_children_finish_the_request_once() -> None:
     assert loop.finished_sending == {"r1"}
     loop.step()
     assert loop.finished_sending == {"r1"}
+    assert_no_leaks(loop)
     assert_no_leaks(loop)

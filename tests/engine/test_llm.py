@@ -23,7 +23,7 @@ from kvconnect.model.config import TINY
 from kvconnect.model.loader import tiny_state_dict
 from kvconnect.subscriber import KVEventSubscriber, ReceivedBatch
 from tests.connector.helpers import MODULE
-from tests.helpers import SETTLE_S
+from tests.helpers import read_through
 
 pytestmark = pytest.mark.slow
 
@@ -126,8 +126,8 @@ def events_llm() -> Iterator[tuple[LLM, KVEventSubscriber]]:
             kv_events_config=cfg,
             max_num_batched_tokens=64,
         )
+        # Catches up at connect through replay: nothing published is missed, whenever it joins.
         sub = KVEventSubscriber(f"ipc://{d}/ev", f"ipc://{d}/replay", topic="kv", start_seq=0)
-        time.sleep(SETTLE_S)
         try:
             yield llm, sub
         finally:
@@ -149,8 +149,9 @@ def test_published_events_match_the_cache_after_a_random_workload(
         llm.generate(batch, SamplingParams(max_tokens=r.randrange(1, 6), ignore_eos=True))
     counts: Counter[int | bytes] = Counter()
     num_removed = 0
-    while (item := sub.recv(timeout=0.5)) is not None:
-        assert isinstance(item, ReceivedBatch), item
+    batches = read_through(sub, llm.publisher)
+    assert [b.seq for b in batches] == list(range(len(batches)))
+    for item in batches:
         for ev in item.batch.events:
             if isinstance(ev, BlockStored):
                 assert ev.medium == "GPU" and len(ev.token_ids) == 4 * len(ev.block_hashes)
@@ -185,14 +186,15 @@ def test_worker_connector_events_reach_the_stream_once_across_tp_processes() -> 
             kv_transfer_config=transfer,
         ) as llm:
             sub = KVEventSubscriber(f"ipc://{d}/ev")
-            time.sleep(SETTLE_S)
+            assert llm.publisher.wait_for_subscriber()  # type: ignore[attr-defined]
             prompt = list(range(30, 50))  # 5 full blocks
             llm.generate([prompt], SamplingParams(max_tokens=2, ignore_eos=True))
             disk = []
-            while (item := sub.recv(timeout=0.5)) is not None:
-                assert isinstance(item, ReceivedBatch)
+            for item in read_through(sub, llm.publisher):
                 disk += [e for e in item.batch.events if e.medium == "DISK"]  # type: ignore[union-attr]
             sub.close()
+            llm.scheduler.check_integrity()
+            assert llm.scheduler.pool.num_free_blocks == llm.scheduler.pool.num_blocks
     assert len(disk) == 1 and isinstance(disk[0], BlockStored)
     assert len(disk[0].block_hashes) == 5  # stored on both ranks, published once
 

@@ -54,6 +54,8 @@ def test_best_tier_counts_and_shared_external_tier_serves_everyone() -> None:
     shared.apply_batch(B, batch(stored(HASHES[:3], "EXTERNAL")))
     shared.apply_batch(A, batch(stored(HASHES[:1], "GPU")))
     assert shared.score(TOKENS)[A].blocks_per_tier == {"GPU": 1, "EXTERNAL": 2}
+    for idx in (private, shared):
+        idx.check_integrity()
 
 
 def test_counts_survive_duplicates_and_removals() -> None:
@@ -66,6 +68,8 @@ def test_counts_survive_duplicates_and_removals() -> None:
     assert idx.holders(HASHES[0]) == {} and idx.num_entries == 0
     idx.apply_batch(A, batch(BlockRemoved(HASHES[:1], "GPU")))
     assert idx.stats.unmatched_removals == 1
+    idx.check_integrity()
+    assert idx.num_entries == 0  # nothing left behind
 
 
 def test_clear_restart_and_loss_drop_only_that_instance() -> None:

@@ -5,19 +5,22 @@ import logging
 import random
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from kvconnect import LLM, SamplingParams
+from kvconnect.connector.multi import MultiConnector
+from kvconnect.connector.offload.connector import OffloadConnector
 from kvconnect.connector.offload.tiers.disk import SUFFIX
 from kvconnect.events import BlockRemoved, BlockStored
 from kvconnect.redis_server import LocalRedis
-from kvconnect.subscriber import KVEventSubscriber, ReceivedBatch
+from kvconnect.subscriber import KVEventSubscriber
 from tests.conftest import start_redis
 from tests.connector.helpers import MODULE
-from tests.helpers import SETTLE_S
+from tests.helpers import read_through
 
 pytestmark = pytest.mark.slow
 
@@ -34,11 +37,29 @@ def offload(*tiers: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def settle(llm: LLM, steps: int = 20) -> None:
-    """Let the workers' I/O threads finish and their events reach the scheduler."""
-    for _ in range(steps):
+def step_until(llm: LLM, condition: Callable[[], bool], timeout: float = 30.0) -> None:
+    """Step the engine (the workers' I/O threads report as steps go by) until `condition()`."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached"
         llm.step()
-        time.sleep(0.01)
+
+
+def released(llm: LLM) -> int:
+    """Connector events the scheduler has released (every rank reported them)."""
+    assert isinstance(llm.connector, OffloadConnector) and llm.connector.scheduler is not None
+    return llm.connector.scheduler.quorum.num_released
+
+
+def settle(llm: LLM, num_events: int) -> None:
+    """Wait until `num_events` connector events in all have reached the scheduler."""
+    step_until(llm, lambda: released(llm) >= num_events)
+
+
+def assert_no_leaks(llm: LLM) -> None:
+    llm.scheduler.check_integrity()
+    pool = llm.scheduler.pool
+    assert pool.num_free_blocks == pool.num_blocks and not llm.scheduler.requests
 
 
 def tier(kind: str, tmp: Path, redis: LocalRedis) -> dict[str, Any]:
@@ -61,14 +82,14 @@ def test_reset_then_the_same_prompt_loads_from_the_tier(
     ) as llm:
         first = llm.generate([PROMPT], GREEDY)[0]
         assert first.num_external_tokens == 0
-        settle(llm)
+        settle(llm, 4)  # the 4 chunks are in the tier
         assert llm.reset_prefix_cache() is True  # the engine's own cache only
         again = llm.generate([PROMPT], GREEDY)[0]
         assert again.num_external_tokens == 4 * CHUNK and again.num_cached_tokens == 0
         assert again.outputs[0].token_ids == first.outputs[0].token_ids
         stats = llm.scheduler.connector_stats
         assert stats is not None and stats.data["num_chunks_loaded"] == 4 * tp
-        llm.scheduler.check_integrity()
+        assert_no_leaks(llm)
 
 
 def test_a_second_instance_reuses_the_first_ones_kv_through_redis(
@@ -77,9 +98,10 @@ def test_a_second_instance_reuses_the_first_ones_kv_through_redis(
     cfg = offload({"kind": "redis", "url": fresh_redis.url})
     with LLM("tiny", tensor_parallel_size=2, kv_transfer_config=cfg) as first:
         expected = first.generate([PROMPT], GREEDY)[0].outputs[0].token_ids
-        settle(first)
+        settle(first, 4)
     with LLM("tiny", tensor_parallel_size=2, kv_transfer_config=cfg) as second:
         out = second.generate([PROMPT], GREEDY)[0]
+        assert_no_leaks(second)
     assert out.num_external_tokens == 4 * CHUNK and out.outputs[0].token_ids == expected
 
 
@@ -88,7 +110,7 @@ def test_redis_stopped_mid_run_still_gives_correct_output(caplog: pytest.LogCapt
     try:
         with LLM("tiny", kv_transfer_config=offload({"kind": "redis", "url": server.url})) as llm:
             expected = llm.generate([PROMPT], GREEDY)[0].outputs[0].token_ids
-            settle(llm)
+            settle(llm, 4)
             server.stop()
             llm.reset_prefix_cache()
             with caplog.at_level(logging.WARNING):
@@ -98,6 +120,7 @@ def test_redis_stopped_mid_run_still_gives_correct_output(caplog: pytest.LogCapt
             lookup = llm.connector.scheduler.lookup
             assert lookup is not None and lookup.num_errors >= 1
             assert "shared tier lookup failed" in caplog.text
+            assert_no_leaks(llm)
     finally:
         server.stop()
 
@@ -108,9 +131,9 @@ def test_a_corrupted_disk_chunk_is_recomputed_and_reported(tmp_path: Path) -> No
         cfg = offload({"kind": "disk", "path": str(tmp_path), "max_bytes": 1 << 28})
         with LLM("tiny", kv_transfer_config=cfg, kv_events_config=events) as llm:
             sub = KVEventSubscriber(f"ipc://{d}/ev")
-            time.sleep(SETTLE_S)
+            assert llm.publisher.wait_for_subscriber()  # type: ignore[attr-defined]
             expected = llm.generate([PROMPT], GREEDY)[0].outputs[0].token_ids
-            settle(llm)
+            settle(llm, 4)
             files = sorted(tmp_path.rglob("*" + SUFFIX))
             assert len(files) == 4
             for f in files[:1]:
@@ -119,33 +142,39 @@ def test_a_corrupted_disk_chunk_is_recomputed_and_reported(tmp_path: Path) -> No
                 f.write_bytes(bytes(raw))
             llm.reset_prefix_cache()
             out = llm.generate([PROMPT], GREEDY)[0]
-            settle(llm)
+            # The bad chunk leaves the tier (BlockRemoved) and, recomputed, is stored again.
+            settle(llm, 6)
             assert out.outputs[0].token_ids == expected
             assert llm.scheduler.stats.num_recomputed_blocks > 0
             stats = llm.scheduler.connector_stats
             assert stats is not None and stats.data.get("num_disk_errors") == 1
-            removed = []
-            while (item := sub.recv(timeout=0.5)) is not None:
-                assert isinstance(item, ReceivedBatch)
-                removed += [
-                    e
-                    for e in item.batch.events
-                    if isinstance(e, BlockRemoved) and e.medium == "DISK"
-                ]
+            disk = [
+                type(e).__name__
+                for item in read_through(sub, llm.publisher)
+                for e in item.batch.events
+                if isinstance(e, BlockStored | BlockRemoved) and e.medium == "DISK"
+            ]
             sub.close()
-            assert len(removed) == 1  # the bad chunk left the tier, and the stream says so
+            assert disk == ["BlockStored"] * 4 + ["BlockRemoved", "BlockStored"]
+            assert_no_leaks(llm)
 
 
 def test_a_disk_budget_too_small_for_a_chunk_is_counted_not_fatal(tmp_path: Path) -> None:
     cfg = offload({"kind": "disk", "path": str(tmp_path), "max_bytes": 1000})
     with LLM("tiny", kv_transfer_config=cfg) as llm:
         a = llm.generate([PROMPT], GREEDY)[0]
-        settle(llm)
+
+        def num_disk_errors() -> int:
+            stats = llm.scheduler.connector_stats
+            return 0 if stats is None else int(stats.data.get("num_disk_errors", 0))
+
+        step_until(llm, lambda: num_disk_errors() >= 4)  # every chunk's store was refused
         llm.reset_prefix_cache()
         b = llm.generate([PROMPT], GREEDY)[0]
         assert a.outputs[0].token_ids == b.outputs[0].token_ids and b.num_external_tokens == 0
         stats = llm.scheduler.connector_stats
         assert stats is not None and stats.data["num_disk_errors"] >= 4
+        assert_no_leaks(llm)
 
 
 def test_in_a_multiconnector_both_childrens_events_are_published(tmp_path: Path) -> None:
@@ -172,12 +201,20 @@ def test_in_a_multiconnector_both_childrens_events_are_published(tmp_path: Path)
             kv_events_config=events,
         ) as llm:
             sub = KVEventSubscriber(f"ipc://{d}/ev")
-            time.sleep(SETTLE_S)
+            assert llm.publisher.wait_for_subscriber()  # type: ignore[attr-defined]
             llm.generate([PROMPT], GREEDY)
-            settle(llm)
-            media: list[str | None] = []
-            while (item := sub.recv(timeout=0.5)) is not None:
-                assert isinstance(item, ReceivedBatch)
-                media += [e.medium for e in item.batch.events if isinstance(e, BlockStored)]
+            multi = llm.connector
+            assert isinstance(multi, MultiConnector)
+            offloader, _ = multi.connectors
+            assert isinstance(offloader, OffloadConnector) and offloader.scheduler is not None
+            quorum = offloader.scheduler.quorum
+            step_until(llm, lambda: quorum.num_released >= 4)  # the CPU tier's 4 chunks
+            media = [
+                e.medium
+                for item in read_through(sub, llm.publisher)
+                for e in item.batch.events
+                if isinstance(e, BlockStored)
+            ]
             sub.close()
+            assert_no_leaks(llm)
     assert sorted(media) == ["CPU"] * 4 + ["GPU", "TEST"]  # each once at TP=2
