@@ -14,12 +14,9 @@ from collections.abc import Callable
 
 import msgspec
 
-from kvconnect.connector import (
-    EventQuorum,
-    KVConnectorOutput,
-    KVEventsWorkerMetadata,
-    KVOutputAggregator,
-)
+from kvconnect.connector import KVConnectorOutput
+from kvconnect.connector.aggregator import KVOutputAggregator
+from kvconnect.connector.events import EventQuorum, KVEventsWorkerMetadata
 from kvconnect.connector.events import KVEventsWorkerMetadata as Meta
 from kvconnect.events import BlockStored, KVCacheEvent
 

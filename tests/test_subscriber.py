@@ -5,6 +5,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+from pathlib import Path
 import time
 from typing import Any
 
@@ -536,17 +537,21 @@ def test_close_ends_iteration() -> None:
     assert list(sub) == []
 
 
-def test_stalled_subscriber_gets_every_batch_once_through_replay_after_resuming() -> None:
-    ep, rp = tcp_pair()
+def test_stalled_subscriber_gets_every_batch_once_through_replay_after_resuming(
+    tmp_path: Path,
+) -> None:
+    # ipc: a unix socket buffers far less than loopback TCP, so the stall really drops.
+    ep, rp = f"ipc://{tmp_path}/ev", f"ipc://{tmp_path}/replay"
     total = 3000
     pub = ZmqEventPublisher(endpoint=ep, replay_endpoint=rp, hwm=10, buffer_steps=total + 10)
     sub = KVEventSubscriber(ep, rp, hwm=10)
     assert pub.wait_for_subscriber()
     try:
         for i in range(total):  # nobody reads: ZMQ drops live messages past the HWMs
-            pub.publish(make_batch(i, num_events=4))
+            pub.publish(make_batch(i, num_events=40))  # ~3 KB each: more than socket buffers
         # The stalled reader never held up publish(): nothing was dropped from its queue.
         assert pub.num_published == total and pub.num_dropped == 0
+        assert pub.flush()  # every batch went to the socket, which dropped what did not fit
         # The subscriber resumes: it reads what ZMQ kept (everything queued is local, so a
         # quiet 0.3 s means the queues are empty)...
         kept: list[SubscriberItem] = []

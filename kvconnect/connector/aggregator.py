@@ -12,12 +12,8 @@ Rules, as vLLM's:
 
 from __future__ import annotations
 
-from kvconnect.connector.base import (
-    KVConnectorBase,
-    KVConnectorOutput,
-    KVConnectorStats,
-    KVConnectorWorkerMetadata,
-)
+from kvconnect.connector.base import KVConnectorBase
+from kvconnect.messages import KVConnectorOutput, KVConnectorStats, KVConnectorWorkerMetadata
 
 
 class KVOutputAggregator:

@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from kvconnect.connector.base import KVConnectorWorkerMetadata
 from kvconnect.events import KVCacheEvent
+from kvconnect.messages import KVConnectorWorkerMetadata
 
 logger = logging.getLogger(__name__)
 

@@ -16,8 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvconnect.connector.base import KVConnectorMetadata
 from kvconnect.events import ExternalBlockHash
+from kvconnect.messages import KVConnectorMetadata
 
 TIER_KINDS = ("cpu", "disk", "redis")
 
