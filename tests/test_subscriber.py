@@ -5,8 +5,8 @@ import subprocess
 import sys
 import tempfile
 import threading
-from pathlib import Path
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
