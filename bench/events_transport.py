@@ -76,7 +76,7 @@ def consume_bare(endpoint: str, num_msgs: int, decode: bool, out: Any) -> None:
 def run_kvconnect(size: int, num_batches: int) -> tuple[float, list[int]]:
     port = free_port()
     ep, rp = f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{free_port()}"
-    pub = ZmqEventPublisher(endpoint=ep, replay_endpoint=rp, buffer_steps=num_batches)
+    pub = ZmqEventPublisher(bind=True, endpoint=ep, replay_endpoint=rp, buffer_steps=num_batches)
     out: Any = mp.get_context("spawn").Queue()
     proc = mp.get_context("spawn").Process(
         target=consume_kvconnect, args=(ep, rp, num_batches, out)

@@ -156,7 +156,9 @@ def demo_batches(num_batches: int, block_size: int = 16, seed: int = 0) -> list[
 
 def run_demo(port: int, num_batches: int, out: TextIO) -> int:
     endpoint, replay = f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{port + 1}"
-    publisher = ZmqEventPublisher(endpoint=endpoint, replay_endpoint=replay, topic="kvconnect")
+    publisher = ZmqEventPublisher(
+        endpoint=endpoint, replay_endpoint=replay, topic="kvconnect", bind=True
+    )
     subscriber = KVEventSubscriber(endpoint, replay, topic="kvconnect", start_seq=0)
     print(
         f"# demo publisher on {endpoint} (replay {replay}); tailing {num_batches} batches",

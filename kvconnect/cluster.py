@@ -56,6 +56,7 @@ def instance_command(i: int, args: argparse.Namespace, redis_url: str | None) ->
         "enable_kv_cache_events": True,
         "endpoint": f"tcp://127.0.0.1:{ev_port}",
         "replay_endpoint": f"tcp://127.0.0.1:{ev_port + 1}",
+        "bind": True,  # a loopback address is connected to by vLLM's rule; bind it here
     }
     return [
         sys.executable,

@@ -1,8 +1,9 @@
 """Frozen configuration objects, compatible with the JSON that vLLM users already pass.
 
 `KVEventsConfig` mirrors `--kv-events-config` and `KVTransferConfig` mirrors
-`--kv-transfer-config`: same field names, same defaults, with one deliberate difference
-(the events endpoint binds loopback by default). Both are built with `from_json` /
+`--kv-transfer-config`: same field names, same defaults, with two deliberate differences: with
+no endpoint given, events bind loopback (vLLM binds every interface), and `bind` may force
+binding or connecting. Both are built with `from_json` /
 `from_dict`; an unknown key is a `ValueError` that lists the valid ones, and every invalid
 value is a `ValueError` naming the field and the value.
 
@@ -19,6 +20,13 @@ from dataclasses import dataclass, field
 from typing import Any, Self
 
 ENDPOINT_SCHEMES = ("tcp://", "ipc://", "inproc://")
+DEFAULT_EVENTS_ENDPOINT = "tcp://127.0.0.1:5557"
+
+
+def vllm_binds(endpoint: str) -> bool:
+    """vLLM's rule: a publisher binds wildcard (`*`, `::`), ipc and inproc addresses and
+    connects to any other (a collector's)."""
+    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
 
 
 def _fail(cls_name: str, field_name: str, value: object, why: str) -> ValueError:
@@ -62,8 +70,8 @@ def check_endpoint(cls_name: str, name: str, value: object) -> None:
         raise _fail(cls_name, name, value, "has no address after the scheme")
     if value.startswith("tcp://"):
         host, sep, port = rest.rpartition(":")
-        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise _fail(cls_name, name, value, "a tcp endpoint needs host:port with port 1-65535")
+        if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
+            raise _fail(cls_name, name, value, "a tcp endpoint needs host:port with port 0-65535")
 
 
 @dataclass(frozen=True)
@@ -77,9 +85,10 @@ class KVEventsConfig:
     """Publisher name: "null", "zmq", or one registered with `EventPublisherFactory`.
     Unset resolves to "zmq" when events are enabled and "null" otherwise."""
 
-    endpoint: str = "tcp://127.0.0.1:5557"
-    """ZMQ address of the live PUB stream. Unlike vLLM (`tcp://*:5557`) the default binds
-    loopback only; use `tcp://*:PORT` to bind every interface."""
+    endpoint: str = None  # type: ignore[assignment]
+    """ZMQ address of the live PUB stream. As in vLLM, an address with `*` or `::`, ipc and
+    inproc are bound and any other is connected to (a collector that binds it); DP rank r
+    adds r to the port. Unset: `tcp://127.0.0.1:5557`, bound (vLLM binds `tcp://*:5557`)."""
 
     replay_endpoint: str | None = None
     """ZMQ address of the ROUTER that serves replays; None disables replay."""
@@ -97,6 +106,10 @@ class KVEventsConfig:
     topic: str = ""
     """First frame of every live message; subscribers filter on it by prefix."""
 
+    bind: bool | None = None
+    """kvconnect only: True binds `endpoint`, False connects to it, None follows vLLM's rule
+    above (set to True when `endpoint` is unset)."""
+
     def __post_init__(self) -> None:
         name = type(self).__name__
         if not isinstance(self.enable_kv_cache_events, bool):
@@ -108,10 +121,15 @@ class KVEventsConfig:
             object.__setattr__(self, "publisher", resolved)
         elif not isinstance(self.publisher, str) or not self.publisher:
             raise _fail(name, "publisher", self.publisher, "must be a non-empty publisher name")
+        given: object = self.endpoint  # None until resolved here
+        if given is None:
+            object.__setattr__(self, "endpoint", DEFAULT_EVENTS_ENDPOINT)
+            if self.bind is None:
+                object.__setattr__(self, "bind", True)
         check_endpoint(name, "endpoint", self.endpoint)
         if self.replay_endpoint is not None:
             check_endpoint(name, "replay_endpoint", self.replay_endpoint)
-            if self.replay_endpoint == self.endpoint:
+            if self.replay_endpoint == self.endpoint and not self.endpoint.endswith(":0"):
                 raise _fail(
                     name, "replay_endpoint", self.replay_endpoint, "must differ from endpoint"
                 )
@@ -120,6 +138,13 @@ class KVEventsConfig:
         _check_int(name, "max_queue_size", self.max_queue_size, 1)
         if not isinstance(self.topic, str):
             raise _fail(name, "topic", self.topic, "must be a string")
+        if self.bind is not None and not isinstance(self.bind, bool):
+            raise _fail(name, "bind", self.bind, "must be a bool or null")
+
+    @property
+    def binds_endpoint(self) -> bool:
+        """Whether the publisher binds `endpoint` (else it connects to it)."""
+        return vllm_binds(self.endpoint) if self.bind is None else self.bind
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Self:

@@ -15,7 +15,6 @@ from kvconnect.config import KVEventsConfig
 from kvconnect.engine.llm import LLM, as_config
 from kvconnect.engine.request import SamplingParams
 from kvconnect.events import BlockRemoved, BlockStored
-from kvconnect.publisher import should_bind
 from kvconnect.subscriber import KVEventSubscriber, ReceivedBatch
 
 
@@ -46,7 +45,7 @@ def summarize(subscriber: KVEventSubscriber) -> str:
 def run_generate(args: argparse.Namespace, out: TextIO) -> int:
     events = as_config(KVEventsConfig, args.kv_events_config)
     subscriber = None
-    if events is not None and events.enable_kv_cache_events and should_bind(events.endpoint):
+    if events is not None and events.enable_kv_cache_events and events.binds_endpoint:
         subscriber = KVEventSubscriber(
             events.endpoint.replace("*", "127.0.0.1"),
             events.replay_endpoint and events.replay_endpoint.replace("*", "127.0.0.1"),

@@ -53,8 +53,6 @@ logger = logging.getLogger(__name__)
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 _STATUS_PREFIX = b"kvconnect "
-_LOOPBACK_HOSTS = ("localhost", "::1")
-_WILDCARD_HOSTS = ("*", "0.0.0.0", "::", "")
 _SUBSCRIPTION_CHECK_EVERY = 256  # live sends between reads of subscription messages when busy
 
 
@@ -108,42 +106,33 @@ class NullEventPublisher(EventPublisher):
 
 
 def offset_endpoint(endpoint: str | None, data_parallel_rank: int) -> str | None:
-    """The endpoint of DP rank `data_parallel_rank`: tcp ports move up by the rank, ipc and
-    inproc names get `_dp<rank>` appended (vLLM rejects ipc here; kvconnect does not)."""
+    """The endpoint of DP rank `data_parallel_rank`: tcp ports move up by the rank (port 0,
+    the OS's choice, stays), ipc and inproc names get `_dp<rank>` appended (vLLM rejects ipc
+    here; kvconnect does not)."""
     if not endpoint or data_parallel_rank == 0:
         return endpoint
     if endpoint.startswith(("inproc://", "ipc://")):
         return f"{endpoint}_dp{data_parallel_rank}"
     if endpoint.startswith("tcp://"):
         head, _, port = endpoint.rpartition(":")
-        return f"{head}:{int(port) + data_parallel_rank}"
+        return endpoint if int(port) == 0 else f"{head}:{int(port) + data_parallel_rank}"
     raise ValueError(f"invalid endpoint {endpoint!r}: must be tcp://, ipc:// or inproc://")
-
-
-def should_bind(endpoint: str) -> bool:
-    """Whether a publisher binds `endpoint` (else it connects to a collector there).
-
-    As vLLM: wildcard hosts, ipc and inproc bind. Beyond vLLM: loopback hosts bind too, since
-    kvconnect's default endpoint is `tcp://127.0.0.1:5557` and must bind loopback only.
-    """
-    if endpoint.startswith(("ipc://", "inproc://")):
-        return True
-    host = endpoint.split("://", 1)[1].rpartition(":")[0].strip("[]")
-    return host in _WILDCARD_HOSTS or host in _LOOPBACK_HOSTS or host.startswith("127.")
 
 
 class ZmqEventPublisher(EventPublisher):
     """Publishes batches on a ZMQ PUB socket and serves replays from a ring of recent batches.
 
-    Keywords are vLLM's. `bind` overrides `should_bind(endpoint)`, for the layout where
-    publishers connect to a collector on a loopback address. The DP rank offset applies to
-    addresses the publisher binds (its PUB when binding, its replay ROUTER always).
+    Keywords are vLLM's, and so is the rule for `endpoint` (see `KVEventsConfig`): with no
+    endpoint, `tcp://127.0.0.1:5557` is bound; a given one is bound if it has `*` or `::` or
+    is ipc/inproc, and connected to otherwise, unless `bind` says which. The DP rank offset
+    applies to both addresses either way, as in vLLM. A bound tcp port 0 is the OS's choice:
+    `endpoint` and `replay_endpoint` then name the port it chose.
     """
 
     def __init__(
         self,
         data_parallel_rank: int = 0,
-        endpoint: str = "tcp://127.0.0.1:5557",
+        endpoint: str | None = None,
         replay_endpoint: str | None = None,
         buffer_steps: int = 10_000,
         hwm: int = 100_000,
@@ -154,22 +143,19 @@ class ZmqEventPublisher(EventPublisher):
         context: zmq.Context[Any] | None = None,
     ) -> None:
         super().__init__(data_parallel_rank)
-        # Validate the same way as the config does, so direct construction fails just as clearly.
-        KVEventsConfig(
+        # Validate and resolve as the config does, so direct construction behaves the same.
+        config = KVEventsConfig(
             enable_kv_cache_events=True,
-            endpoint=endpoint,
+            endpoint=endpoint,  # type: ignore[arg-type]
             replay_endpoint=replay_endpoint,
             buffer_steps=buffer_steps,
             hwm=hwm,
             max_queue_size=max_queue_size,
             topic=topic,
+            bind=bind,
         )
-        # Bound addresses cannot be shared, so each DP rank binds its own (offset) one; a
-        # collector that publishers connect to is one address for every rank.
-        self._bind = should_bind(endpoint) if bind is None else bind
-        if self._bind:
-            endpoint = offset_endpoint(endpoint, data_parallel_rank) or endpoint
-        self.endpoint = endpoint
+        self._bind = config.binds_endpoint
+        self.endpoint = offset_endpoint(config.endpoint, data_parallel_rank) or config.endpoint
         self.replay_endpoint = offset_endpoint(replay_endpoint, data_parallel_rank)
         self.topic = topic
         self._topic_bytes = topic.encode()
@@ -199,14 +185,14 @@ class ZmqEventPublisher(EventPublisher):
             self._pub.setsockopt(zmq.XPUB_VERBOSER, 1)
             self._pub.setsockopt(zmq.SNDHWM, hwm)
             if self._bind:
-                self._pub.bind(self.endpoint)
+                self.endpoint = _bind(self._pub, self.endpoint)
             else:
                 self._pub.connect(self.endpoint)
             if self.replay_endpoint is not None:
                 self._router = ctx.socket(zmq.ROUTER)
                 # A full replay is buffer_steps + 1 messages; leave room for a few at once.
                 self._router.setsockopt(zmq.SNDHWM, 4 * (buffer_steps + 1))
-                self._router.bind(self.replay_endpoint)
+                self.replay_endpoint = _bind(self._router, self.replay_endpoint)
         except zmq.ZMQError as e:
             self._pub.close(linger=0)
             if self._router is not None:
@@ -384,6 +370,15 @@ class ZmqEventPublisher(EventPublisher):
         router.send_multipart((identity, b"", status.encode(), END_SEQ, b""))
 
 
+def _bind(sock: zmq.Socket[bytes], endpoint: str) -> str:
+    """Bind `endpoint`; the address actually bound (a tcp port 0 becomes the OS's port)."""
+    sock.bind(endpoint)
+    if endpoint.startswith("tcp://") and endpoint.endswith(":0"):
+        bound: str = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        return bound
+    return endpoint
+
+
 PublisherCtor = Callable[..., EventPublisher]
 
 
@@ -430,5 +425,4 @@ __all__ = [
     "PublisherStatus",
     "ZmqEventPublisher",
     "offset_endpoint",
-    "should_bind",
 ]

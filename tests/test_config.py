@@ -22,7 +22,9 @@ def test_events_defaults_match_vllm_except_loopback_endpoint() -> None:
         "hwm",
         "max_queue_size",
         "topic",
+        "bind",
     ]
+    assert c.bind is True  # no endpoint given: the loopback default is bound
 
 
 def test_publisher_resolves_to_zmq_when_enabled() -> None:
@@ -40,6 +42,7 @@ def test_events_from_vllm_cli_json() -> None:
     assert c == KVEventsConfig(
         True, "zmq", "tcp://*:5557", "tcp://*:5558", 50, 100_000, 100_000, "kv-events"
     )
+    assert c.bind is None and c.binds_endpoint  # vLLM's rule: `*` binds
     assert KVEventsConfig.from_dict(c.to_dict()) == c
 
 

@@ -20,7 +20,6 @@ from kvconnect.publisher import (
     PublisherStatus,
     ZmqEventPublisher,
     offset_endpoint,
-    should_bind,
 )
 from tests.helpers import batch_id, make_batch, recv_frames, replay_request, tcp_pair
 
@@ -84,7 +83,7 @@ class StalledPublisher(ZmqEventPublisher):
 
 def test_live_frames_are_exactly_topic_seq_payload(ctx: zmq.Context[Any]) -> None:
     ep, rp = tcp_pair()
-    pub = ZmqEventPublisher(endpoint=ep, replay_endpoint=rp, topic="kv@10.0.0.1@m")
+    pub = ZmqEventPublisher(bind=True, endpoint=ep, replay_endpoint=rp, topic="kv@10.0.0.1@m")
     sub = raw_sub(ctx, pub)
     try:
         sent = [make_batch(i, num_events=3) for i in range(10)]
@@ -108,7 +107,7 @@ def test_live_frames_are_exactly_topic_seq_payload(ctx: zmq.Context[Any]) -> Non
 
 def test_replay_from_middle_returns_exactly_the_later_batches(ctx: zmq.Context[Any]) -> None:
     ep, rp = tcp_pair()
-    pub = ZmqEventPublisher(endpoint=ep, replay_endpoint=rp, topic="test")
+    pub = ZmqEventPublisher(bind=True, endpoint=ep, replay_endpoint=rp, topic="test")
     try:
         payloads = []
         for i in range(19):
@@ -129,7 +128,7 @@ def test_replay_from_middle_returns_exactly_the_later_batches(ctx: zmq.Context[A
 
 def test_replay_ring_keeps_the_last_buffer_steps() -> None:
     ep, rp = tcp_pair()
-    pub = ZmqEventPublisher(endpoint=ep, replay_endpoint=rp, buffer_steps=100)
+    pub = ZmqEventPublisher(bind=True, endpoint=ep, replay_endpoint=rp, buffer_steps=100)
     try:
         for i in range(110):
             pub.publish(make_batch(i))
@@ -141,7 +140,7 @@ def test_replay_ring_keeps_the_last_buffer_steps() -> None:
 
 def test_replay_answers_a_req_client(ctx: zmq.Context[Any]) -> None:
     ep, rp = tcp_pair()
-    pub = ZmqEventPublisher(endpoint=ep, replay_endpoint=rp, topic="t")
+    pub = ZmqEventPublisher(bind=True, endpoint=ep, replay_endpoint=rp, topic="t")
     req = ctx.socket(zmq.REQ)
     req.setsockopt(zmq.LINGER, 0)
     req.connect(rp)
@@ -166,7 +165,7 @@ def test_replay_answers_a_req_client(ctx: zmq.Context[Any]) -> None:
 )
 def test_malformed_replay_requests_get_the_terminator(frames: list[bytes]) -> None:
     ep, rp = tcp_pair()
-    pub = ZmqEventPublisher(endpoint=ep, replay_endpoint=rp)
+    pub = ZmqEventPublisher(bind=True, endpoint=ep, replay_endpoint=rp)
     try:
         pub.publish(make_batch(0))
         assert replay_request(rp, frames) == [terminator(pub)]
@@ -179,7 +178,7 @@ def test_malformed_replay_requests_get_the_terminator(frames: list[bytes]) -> No
 
 def test_topic_filtering(ctx: zmq.Context[Any]) -> None:
     ep, _ = tcp_pair()
-    pub = ZmqEventPublisher(endpoint=ep, topic="foo")
+    pub = ZmqEventPublisher(bind=True, endpoint=ep, topic="foo")
     foo, bar = raw_sub(ctx, pub, b"foo"), raw_sub(ctx, pub, b"bar")
     try:
         for i in range(3):
@@ -195,7 +194,7 @@ def test_topic_filtering(ctx: zmq.Context[Any]) -> None:
 def test_dp_rank_offsets_tcp_ports(ctx: zmq.Context[Any]) -> None:
     ep, rp = tcp_pair()
     base_port = int(ep.rsplit(":", 1)[1])
-    pub1 = ZmqEventPublisher(data_parallel_rank=1, endpoint=ep, replay_endpoint=rp)
+    pub1 = ZmqEventPublisher(bind=True, data_parallel_rank=1, endpoint=ep, replay_endpoint=rp)
     assert pub1.endpoint == f"tcp://127.0.0.1:{base_port + 1}"
     assert pub1.replay_endpoint == f"tcp://127.0.0.1:{base_port + 3}"
     sub = raw_sub(ctx, pub1)
@@ -213,7 +212,7 @@ def test_dp_rank_offsets_tcp_ports(ctx: zmq.Context[Any]) -> None:
 def test_dp_rank_offsets_ipc_paths(ctx: zmq.Context[Any]) -> None:
     with tempfile.TemporaryDirectory() as d:
         ep, rp = f"ipc://{d}/kv", f"ipc://{d}/kv-replay"
-        pub1 = ZmqEventPublisher(data_parallel_rank=1, endpoint=ep, replay_endpoint=rp)
+        pub1 = ZmqEventPublisher(bind=True, data_parallel_rank=1, endpoint=ep, replay_endpoint=rp)
         assert pub1.endpoint == f"ipc://{d}/kv_dp1"
         assert os.path.exists(f"{d}/kv_dp1") and os.path.exists(f"{d}/kv-replay_dp1")
         sub = raw_sub(ctx, pub1)
@@ -227,7 +226,9 @@ def test_dp_rank_offsets_ipc_paths(ctx: zmq.Context[Any]) -> None:
 
 
 def test_inproc_transport(ctx: zmq.Context[Any]) -> None:
-    pub = ZmqEventPublisher(endpoint="inproc://kv-test", replay_endpoint="inproc://kv-test-r")
+    pub = ZmqEventPublisher(
+        bind=True, endpoint="inproc://kv-test", replay_endpoint="inproc://kv-test-r"
+    )
     sub = raw_sub(ctx, pub)
     try:
         pub.publish(make_batch(4))
@@ -239,13 +240,19 @@ def test_inproc_transport(ctx: zmq.Context[Any]) -> None:
         pub.shutdown()
 
 
-def test_endpoint_rules() -> None:
-    assert should_bind("tcp://*:5557") and should_bind("tcp://0.0.0.0:1")
-    assert should_bind("tcp://[::]:1") and should_bind("tcp://127.0.0.1:1")
-    assert should_bind("tcp://localhost:1") and should_bind("tcp://[::1]:1")
-    assert should_bind("ipc:///tmp/x") and should_bind("inproc://x")
-    assert not should_bind("tcp://10.1.2.3:5557") and not should_bind("tcp://collector:5557")
+def test_endpoint_rules_are_vllms_with_a_loopback_default() -> None:
+    def binds(endpoint: str | None, bind: bool | None = None) -> bool:
+        return KVEventsConfig(endpoint=endpoint, bind=bind).binds_endpoint  # type: ignore[arg-type]
+
+    assert binds("tcp://*:5557") and binds("tcp://[::]:1") and binds("tcp://[::1]:1")
+    assert binds("ipc:///tmp/x") and binds("inproc://x")
+    # vLLM connects to any other address: a collector that binds it.
+    assert not binds("tcp://10.1.2.3:5557") and not binds("tcp://collector:5557")
+    assert not binds("tcp://127.0.0.1:5557") and not binds("tcp://0.0.0.0:1")
+    assert binds("tcp://127.0.0.1:5557", bind=True) and not binds("tcp://*:1", bind=False)
+    assert binds(None) and KVEventsConfig().endpoint == "tcp://127.0.0.1:5557"  # the default
     assert offset_endpoint("tcp://*:5557", 0) == "tcp://*:5557"
+    assert offset_endpoint("tcp://*:0", 3) == "tcp://*:0"  # the OS picks the port
     assert offset_endpoint("tcp://*:5557", 3) == "tcp://*:5560"
     assert offset_endpoint("tcp://[::1]:5557", 1) == "tcp://[::1]:5558"
     assert offset_endpoint("ipc:///tmp/kv.sock", 2) == "ipc:///tmp/kv.sock_dp2"
@@ -259,10 +266,10 @@ def test_bad_arguments_and_busy_port_are_clear_errors() -> None:
     with pytest.raises(ValueError, match="buffer_steps"):
         ZmqEventPublisher(endpoint="tcp://127.0.0.1:5", buffer_steps=0)
     ep, _ = tcp_pair()
-    first = ZmqEventPublisher(endpoint=ep)
+    first = ZmqEventPublisher(bind=True, endpoint=ep)
     try:
         with pytest.raises(RuntimeError, match="cannot open KV event sockets"):
-            ZmqEventPublisher(endpoint=ep)
+            ZmqEventPublisher(bind=True, endpoint=ep)
     finally:
         first.shutdown()
 
@@ -272,7 +279,7 @@ def test_full_queue_drops_live_but_keeps_replayable_and_publish_never_waits(
 ) -> None:
     ep, rp = tcp_pair()
     StalledPublisher.release.clear()
-    pub = StalledPublisher(endpoint=ep, replay_endpoint=rp, max_queue_size=5)
+    pub = StalledPublisher(bind=True, endpoint=ep, replay_endpoint=rp, max_queue_size=5)
     sub = raw_sub(ctx, pub)
     try:
         for i in range(50):  # the sending thread is stuck: publish() must still return
@@ -295,7 +302,7 @@ def test_shutdown_flushes_is_idempotent_and_publish_after_raises(
     ctx: zmq.Context[Any],
 ) -> None:
     ep, _ = tcp_pair()
-    pub = ZmqEventPublisher(endpoint=ep)
+    pub = ZmqEventPublisher(bind=True, endpoint=ep)
     sub = raw_sub(ctx, pub)
     try:
         for i in range(2000):
@@ -313,7 +320,7 @@ def test_shutdown_flushes_is_idempotent_and_publish_after_raises(
 def test_shutdown_of_a_stuck_sender_returns_within_the_timeout() -> None:
     ep, _ = tcp_pair()
     StalledPublisher.release.clear()
-    pub = StalledPublisher(endpoint=ep)
+    pub = StalledPublisher(bind=True, endpoint=ep)
     pub.publish(make_batch(0))
     start = time.monotonic()
     pub.shutdown(timeout=0.2)
@@ -323,7 +330,7 @@ def test_shutdown_of_a_stuck_sender_returns_within_the_timeout() -> None:
 
 def test_rank_already_set_is_kept() -> None:
     ep, rp = tcp_pair()
-    pub = ZmqEventPublisher(data_parallel_rank=2, endpoint=ep, replay_endpoint=rp)
+    pub = ZmqEventPublisher(bind=True, data_parallel_rank=2, endpoint=ep, replay_endpoint=rp)
     try:
         b = make_batch(0)
         b.data_parallel_rank = 5
@@ -392,7 +399,7 @@ def test_factory_registry() -> None:
 
 def test_each_publisher_has_its_own_epoch_in_the_replay_terminator() -> None:
     ep, rp = tcp_pair()
-    pub = ZmqEventPublisher(endpoint=ep, replay_endpoint=rp)
+    pub = ZmqEventPublisher(bind=True, endpoint=ep, replay_endpoint=rp)
     try:
         for i in range(3):
             pub.publish(make_batch(i))
@@ -404,7 +411,7 @@ def test_each_publisher_has_its_own_epoch_in_the_replay_terminator() -> None:
         assert status == PublisherStatus(pub.epoch, 3) and len(pub.epoch) == 16
     finally:
         pub.shutdown()
-    other = ZmqEventPublisher(endpoint=ep, replay_endpoint=rp)
+    other = ZmqEventPublisher(bind=True, endpoint=ep, replay_endpoint=rp)
     other.shutdown()
     assert other.epoch != pub.epoch
     assert PublisherStatus.decode(b"") is None and PublisherStatus.decode(b"kvconnect x") is None
@@ -414,7 +421,7 @@ def test_subscriptions_are_counted_and_wait_for_subscriber_times_out(
     ctx: zmq.Context[Any],
 ) -> None:
     ep, _ = tcp_pair()
-    pub = ZmqEventPublisher(endpoint=ep)
+    pub = ZmqEventPublisher(bind=True, endpoint=ep)
     try:
         assert pub.num_subscriptions == 0 and not pub.wait_for_subscriber(timeout=0.2)
         sub = raw_sub(ctx, pub)
@@ -422,5 +429,42 @@ def test_subscriptions_are_counted_and_wait_for_subscriber_times_out(
         sub.close()
         with pub._subscriptions_changed:  # the peer's unsubscribe comes up when it leaves
             assert pub._subscriptions_changed.wait_for(lambda: pub.num_subscriptions == 0, 10)
+    finally:
+        pub.shutdown()
+
+
+def test_a_dp_rank_connecting_to_a_collector_offsets_its_port_too(ctx: zmq.Context[Any]) -> None:
+    ep, _ = tcp_pair()
+    port = int(ep.rsplit(":", 1)[1])
+    collector = ctx.socket(zmq.SUB)
+    collector.setsockopt(zmq.LINGER, 0)
+    collector.setsockopt(zmq.SUBSCRIBE, b"")
+    collector.bind(f"tcp://127.0.0.1:{port + 1}")
+    pub = ZmqEventPublisher(data_parallel_rank=1, endpoint=ep)  # 127.0.0.1: connect
+    try:
+        assert pub.endpoint == f"tcp://127.0.0.1:{port + 1}"
+        deadline = time.monotonic() + 10
+        while not pub.num_subscriptions:  # a bound SUB greets new peers while it is polled
+            assert collector.poll(20) == 0 and time.monotonic() < deadline
+        pub.publish(make_batch(3))
+        frames = recv_frames(collector)
+        assert frames is not None and decode_batch(frames[2]).data_parallel_rank == 1
+    finally:
+        collector.close()
+        pub.shutdown()
+
+
+def test_port_zero_binds_a_port_the_os_chooses(ctx: zmq.Context[Any]) -> None:
+    pub = ZmqEventPublisher(
+        endpoint="tcp://127.0.0.1:0", replay_endpoint="tcp://127.0.0.1:0", bind=True
+    )
+    try:
+        assert not pub.endpoint.endswith(":0") and pub.replay_endpoint is not None
+        assert not pub.replay_endpoint.endswith(":0")
+        sub = raw_sub(ctx, pub)
+        pub.publish(make_batch(1))
+        assert seq_of(recv_frames(sub) or []) == 0
+        assert len(replay_request(pub.replay_endpoint, [b"", bytes(8)])) == 2
+        sub.close()
     finally:
         pub.shutdown()

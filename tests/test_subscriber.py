@@ -43,7 +43,7 @@ def seqs(items: list[SubscriberItem]) -> list[int]:
 
 def test_yields_seq_and_batch_in_order() -> None:
     ep, rp = tcp_pair()
-    pub = ZmqEventPublisher(endpoint=ep, replay_endpoint=rp, topic="kv")
+    pub = ZmqEventPublisher(bind=True, endpoint=ep, replay_endpoint=rp, topic="kv")
     sub = KVEventSubscriber(ep, rp, topic="kv")
     assert pub.wait_for_subscriber()
     try:
@@ -63,7 +63,7 @@ def test_yields_seq_and_batch_in_order() -> None:
 def test_gap_is_repaired_from_replay_before_later_batches() -> None:
     ep, rp = tcp_pair()
     StalledPublisher.release.clear()
-    pub = StalledPublisher(endpoint=ep, replay_endpoint=rp, max_queue_size=3)
+    pub = StalledPublisher(bind=True, endpoint=ep, replay_endpoint=rp, max_queue_size=3)
     sub = KVEventSubscriber(ep, rp)
     assert pub.wait_for_subscriber()
     try:
@@ -85,7 +85,9 @@ def test_gap_is_repaired_from_replay_before_later_batches() -> None:
 def test_ring_overrun_is_reported_as_events_lost() -> None:
     ep, rp = tcp_pair()
     StalledPublisher.release.clear()
-    pub = StalledPublisher(endpoint=ep, replay_endpoint=rp, max_queue_size=2, buffer_steps=5)
+    pub = StalledPublisher(
+        bind=True, endpoint=ep, replay_endpoint=rp, max_queue_size=2, buffer_steps=5
+    )
     sub = KVEventSubscriber(ep, rp)
     assert pub.wait_for_subscriber()
     try:
@@ -109,7 +111,7 @@ def test_ring_overrun_is_reported_as_events_lost() -> None:
 def test_gap_without_replay_endpoint_is_lost_not_hidden() -> None:
     ep, _ = tcp_pair()
     StalledPublisher.release.clear()
-    pub = StalledPublisher(endpoint=ep, max_queue_size=1)
+    pub = StalledPublisher(bind=True, endpoint=ep, max_queue_size=1)
     sub = KVEventSubscriber(ep)
     assert pub.wait_for_subscriber()
     try:
@@ -131,7 +133,7 @@ def test_gap_without_replay_endpoint_is_lost_not_hidden() -> None:
 
 def test_start_seq_zero_catches_up_the_slow_joiner_gap() -> None:
     ep, rp = tcp_pair()
-    pub = ZmqEventPublisher(endpoint=ep, replay_endpoint=rp)
+    pub = ZmqEventPublisher(bind=True, endpoint=ep, replay_endpoint=rp)
     try:
         for i in range(30):
             pub.publish(make_batch(i))
@@ -147,7 +149,7 @@ def test_start_seq_zero_catches_up_the_slow_joiner_gap() -> None:
 
 def test_a_late_subscriber_catches_up_on_an_idle_stream_at_connect() -> None:
     ep, rp = tcp_pair()
-    pub = ZmqEventPublisher(endpoint=ep, replay_endpoint=rp)
+    pub = ZmqEventPublisher(bind=True, endpoint=ep, replay_endpoint=rp)
     try:
         for i in range(500):
             pub.publish(make_batch(i))
@@ -161,7 +163,7 @@ def test_a_late_subscriber_catches_up_on_an_idle_stream_at_connect() -> None:
 
 def test_live_batches_that_the_handshake_already_replayed_are_dropped_once() -> None:
     ep, rp = tcp_pair()
-    pub = ZmqEventPublisher(endpoint=ep, replay_endpoint=rp)
+    pub = ZmqEventPublisher(bind=True, endpoint=ep, replay_endpoint=rp)
     try:
         sub = KVEventSubscriber(ep, rp, start_seq=0)
         assert pub.wait_for_subscriber()
@@ -183,7 +185,7 @@ def rebind(ep: str, rp: str) -> ZmqEventPublisher:
     deadline = time.monotonic() + 5
     while True:
         try:
-            return ZmqEventPublisher(endpoint=ep, replay_endpoint=rp)
+            return ZmqEventPublisher(bind=True, endpoint=ep, replay_endpoint=rp)
         except RuntimeError:
             if time.monotonic() > deadline:
                 raise
@@ -192,7 +194,7 @@ def rebind(ep: str, rp: str) -> ZmqEventPublisher:
 
 def test_publisher_restart_is_reported_then_new_stream_read_from_zero() -> None:
     ep, rp = tcp_pair()
-    pub = ZmqEventPublisher(endpoint=ep, replay_endpoint=rp)
+    pub = ZmqEventPublisher(bind=True, endpoint=ep, replay_endpoint=rp)
     sub = KVEventSubscriber(ep, rp)
     assert pub.wait_for_subscriber()
     try:
@@ -227,7 +229,7 @@ def test_a_restart_behind_a_disconnect_is_seen_whatever_the_new_seqs(new_publish
     subscriber is back. N=100 continues A's seqs exactly, N=200 passes them: in neither case
     may B's batches be read as A's continuation."""
     ep, rp = tcp_pair()
-    a = ZmqEventPublisher(endpoint=ep, replay_endpoint=rp)
+    a = ZmqEventPublisher(bind=True, endpoint=ep, replay_endpoint=rp)
     sub = KVEventSubscriber(ep, rp)
     assert a.wait_for_subscriber()
     b = None
@@ -281,7 +283,8 @@ def test_a_vllm_publisher_restart_is_seen_by_its_seq_going_back() -> None:
 def test_follows_several_publishers_keeping_order_per_publisher() -> None:
     ep, rp = tcp_pair()
     pubs = [
-        ZmqEventPublisher(data_parallel_rank=r, endpoint=ep, replay_endpoint=rp) for r in (0, 1)
+        ZmqEventPublisher(bind=True, data_parallel_rank=r, endpoint=ep, replay_endpoint=rp)
+        for r in (0, 1)
     ]
     sub = KVEventSubscriber([p.endpoint for p in pubs], [p.replay_endpoint for p in pubs])
     assert all(p.wait_for_subscriber() for p in pubs)
@@ -302,10 +305,13 @@ def test_follows_several_publishers_keeping_order_per_publisher() -> None:
 
 
 def test_bind_layout_publishers_connect_and_replay_by_rank() -> None:
+    """llm-d's collector layout: the subscriber binds, each DP rank's publisher connects to
+    the collector's port + its rank (vLLM offsets connecting endpoints too)."""
     ep, rp = tcp_pair()
-    port = int(rp.rsplit(":", 1)[1])
-    replays = {0: f"tcp://127.0.0.1:{port}", 1: f"tcp://127.0.0.1:{port + 1}"}
-    sub = KVEventSubscriber(ep, replays, bind=True)
+    port, replay_port = int(ep.rsplit(":", 1)[1]), int(rp.rsplit(":", 1)[1])
+    collector = [ep, f"tcp://127.0.0.1:{port + 1}"]
+    replays = {0: rp, 1: f"tcp://127.0.0.1:{replay_port + 1}"}
+    sub = KVEventSubscriber(collector, replays, bind=True)
     StalledPublisher.release.clear()
     pubs = [
         StalledPublisher(
@@ -313,7 +319,7 @@ def test_bind_layout_publishers_connect_and_replay_by_rank() -> None:
         )
         for r in (0, 1)
     ]
-    assert pubs[1].endpoint == ep  # connecting publishers keep the collector's address
+    assert [p.endpoint for p in pubs] == collector
     assert pubs[1].replay_endpoint == replays[1]
     # A bound SUB learns of new peers (and sends them its subscription) only while it is
     # being polled: poll it until both publishers have its subscription.
@@ -401,7 +407,7 @@ def fuzz_target() -> Any:
     ep, rp = tcp_pair()
     raw = bound_xpub(ep)
     publisher = ZmqEventPublisher(
-        endpoint=f"tcp://127.0.0.1:{int(rp.rsplit(':', 1)[1]) + 1}", replay_endpoint=rp
+        endpoint=f"tcp://127.0.0.1:{int(rp.rsplit(':', 1)[1]) + 1}", replay_endpoint=rp, bind=True
     )
     sub = KVEventSubscriber(ep)
     wait_subscribed(raw)
@@ -464,7 +470,7 @@ def read_json_lines(proc: subprocess.Popen[str], until_seq: int | None) -> list[
 @pytest.mark.slow
 def test_subscriber_process_killed_and_restarted_sees_every_batch_in_order() -> None:
     ep, rp = tcp_pair()
-    pub = ZmqEventPublisher(endpoint=ep, replay_endpoint=rp, topic="kv")
+    pub = ZmqEventPublisher(bind=True, endpoint=ep, replay_endpoint=rp, topic="kv")
     total = 400
     stop = threading.Event()
 
@@ -543,7 +549,9 @@ def test_stalled_subscriber_gets_every_batch_once_through_replay_after_resuming(
     # ipc: a unix socket buffers far less than loopback TCP, so the stall really drops.
     ep, rp = f"ipc://{tmp_path}/ev", f"ipc://{tmp_path}/replay"
     total = 3000
-    pub = ZmqEventPublisher(endpoint=ep, replay_endpoint=rp, hwm=10, buffer_steps=total + 10)
+    pub = ZmqEventPublisher(
+        bind=True, endpoint=ep, replay_endpoint=rp, hwm=10, buffer_steps=total + 10
+    )
     sub = KVEventSubscriber(ep, rp, hwm=10)
     assert pub.wait_for_subscriber()
     try:

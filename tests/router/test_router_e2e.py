@@ -38,6 +38,7 @@ class Engine:
             "enable_kv_cache_events": True,
             "endpoint": self.instance.events_endpoint,
             "replay_endpoint": self.instance.replay_endpoint,
+            "bind": True,
         }
         self.proc = subprocess.Popen(
             [
