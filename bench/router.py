@@ -144,7 +144,6 @@ def simulate(policy_name: str, sec_per_token: float) -> tuple[float, float, floa
         now += rng.expovariate(1 / mean_gap)
         tokens = rng.choice(tenants) + [rng.randrange(256) for _ in range(64)]
         req = Request(str(n), tokens, SamplingParams(max_tokens=1), BS)
-        hashes = index.request_hashes(tokens)
         loads = {inst.name: inst.load(now) for inst in instances}
         ids = [inst.name for inst in instances]
         if policy_name == "round-robin":
@@ -152,7 +151,7 @@ def simulate(policy_name: str, sec_per_token: float) -> tuple[float, float, floa
             rr += 1
         else:
             if policy_name == "kv-aware":
-                scores = index.score_hashes(hashes)
+                scores = index.score(tokens)
             else:  # oracle: every pool's real contents
                 scores = {}
                 for inst in instances:
@@ -161,8 +160,8 @@ def simulate(policy_name: str, sec_per_token: float) -> tuple[float, float, floa
                         if inst.pool.get_cached_block(h) is None:
                             break
                         run += 1
-                    scores[inst.name] = PrefixScore(run, float(run))
-            chosen = choose(ids, scores, loads, len(hashes)).instance
+                    scores[inst.name] = PrefixScore(run, float(run), block_size=BS)
+            chosen = choose(ids, scores, loads, len(tokens)).instance
             target = next(inst for inst in instances if inst.name == chosen)
         ttft, cached = target.serve(req, now, sec_per_token)
         ttfts.append(ttft)

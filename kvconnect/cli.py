@@ -251,9 +251,14 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--port", type=int, default=9000)
     r.add_argument("--model", default="tiny", help="whose tokenizer to use")
     r.add_argument("--block-size", type=int, default=16)
-    r.add_argument("--hash-algorithm", default="sha256_cbor")
+    r.add_argument("--hash-algorithm", default="sha256")
     r.add_argument("--hash-seed", default=None)
-    r.add_argument("--load-weight", type=float, default=4.0)
+    r.add_argument(
+        "--load-weight",
+        type=float,
+        default=64.0,
+        help="prefill tokens one request in flight is worth when choosing",
+    )
     r.add_argument("--max-index-entries", type=int, default=1_000_000)
     r.add_argument(
         "--tier-weights",

@@ -145,7 +145,7 @@ def run_cluster(args: argparse.Namespace, out: TextIO) -> int:
                 file=out,
                 flush=True,
             )
-        router = Router(instances, BlockIndex(16), load_tokenizer("tiny"))
+        router = Router(instances, BlockIndex(), load_tokenizer("tiny"))
         router_url = f"http://127.0.0.1:{args.base_port}"
         runner = web.AppRunner(make_app(router))
         loop = asyncio.new_event_loop()

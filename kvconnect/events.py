@@ -1,6 +1,8 @@
 """KV cache events and their wire codec: the one schema kvconnect speaks, which is vLLM's.
 
-Wire form of one batch (msgpack), as vLLM >= 0.26 sends it:
+The fields are vLLM 0.33's, in its order, so a batch decoded and encoded again is the same
+bytes (msgspec writes a map16 header for BlockStored's 16 possible keys, a fixmap for
+BlockRemoved's 6). Wire form of one batch (msgpack), as vLLM >= 0.26 sends it:
 
     [ts, [event, ...], data_parallel_rank]            the batch: a positional array
     {"type": "BlockStored", "block_hashes": [...], ...}   each event: a map, "type" first,
@@ -71,9 +73,20 @@ class BlockStored(KVCacheEvent):
     medium: str | None
     lora_name: str | None
     extra_keys: list[tuple[Any, ...] | None] | None = None
+    """One entry per block: its extra keys, untagged (see `hashing.to_event`)."""
     group_idx: int | None = None
+    """The KV cache group (0 for a model with one kind of attention layer)."""
     kv_cache_spec_kind: str | None = None
+    """The group's kind, e.g. "full_attention", "sliding_window", "mamba"."""
     kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+    """"LOCAL" or "REMOTE" relative to the publisher; None: unspecified (vLLM 0.26+)."""
+    ownership: str | None = None
+    """A secondary offloading tier's identifier, if one generated the event."""
+    session_id: str | None = None
+    """The session whose request stored or reused the blocks."""
+    lookahead_token_ids: list[list[int]] | None = None
+    """Speculative tokens beyond the stored blocks, per block (vLLM 0.33)."""
 
 
 class BlockRemoved(KVCacheEvent):
@@ -82,6 +95,8 @@ class BlockRemoved(KVCacheEvent):
     block_hashes: list[ExternalBlockHash]
     medium: str | None
     group_idx: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
 
 
 class AllBlocksCleared(KVCacheEvent):

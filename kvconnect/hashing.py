@@ -1,29 +1,41 @@
-"""Chained, content-addressed block hashes, identical in every process that shares the settings.
+"""Chained, content-addressed block hashes, exactly as vLLM computes them.
 
 A block's hash covers its parent's hash, its token ids and its extra keys, so it names the
 whole prefix that ends with that block:
 
-    block 0: H0 = h((seed_hash, tokens[0:B],  extra_0))
+    block 0: H0 = h((NONE_HASH, tokens[0:B],  extra_0))      NONE_HASH = h(seed)
     block 1: H1 = h((H0,        tokens[B:2B], extra_1))
     block 2: H2 = h((H1,        tokens[2B:3B], extra_2))
 
-`h` serialises the 3-tuple with canonical CBOR, which any language can reproduce, then takes
-SHA-256 (`sha256_cbor`, 32 bytes, the default) or xxh3-128 (`xxhash_cbor`, 16 bytes). This is
-vLLM's scheme. The seed hash, the parent of block 0, is `h(seed)` of a configured seed string;
-the default seed "0" reproduces vLLM run with `PYTHONHASHSEED=0`. It never comes from process
-randomness, so engines, offload tiers and routers agree without coordination.
+`h` is one of vLLM's four `prefix_caching_hash_algo`s:
 
-Only full blocks are hashed. Extra keys follow vLLM's order: the LoRA name on every block,
-then `cache_salt` on the block that starts at token 0 only.
+    sha256       SHA-256 of pickle.dumps(obj, HIGHEST_PROTOCOL)    vLLM's default
+    sha256_cbor  SHA-256 of canonical CBOR                          language-independent
+    xxhash       xxh3-128 of pickle.dumps(obj, HIGHEST_PROTOCOL)
+    xxhash_cbor  xxh3-128 of canonical CBOR
 
-On the wire (KV cache events) a hash is, by default, the last 8 digest bytes read as an
-unsigned 64-bit integer, as vLLM sends it; `to_wire(h, as_int=False)` keeps the raw bytes.
+Pickle is only ever *written* here (of ints, bytes, str, tuples and None), never read.
+
+The seed, vLLM's resolution (`seed=None`): the `PYTHONHASHSEED` environment variable when set;
+otherwise "vllm-none-hash" for the SHA-256 algorithms, so independent processes agree; otherwise
+(xxhash) a random seed per process, which no other process can reproduce.
+
+Extra keys, per block, in vLLM's order and with vLLM's tags (hashed as a tuple, None if empty):
+`("lora", name, path)` on every block of a LoRA request, `("mm", identifier, offset)` per
+multimodal item in the block, `("cache_salt", salt)` on the block that starts at token 0 (an
+empty salt is no salt), `("prompt_embeds", digest)`. Events carry them untagged (`to_event`):
+the name, `(identifier, offset)`, the salt, the digest.
+
+On the wire (KV cache events) a hash is the last 8 digest bytes as an unsigned 64-bit int, as
+vLLM sends it; `to_wire(h, as_int=False)` keeps the raw bytes.
 This module imports nothing from the rest of the package.
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
+import pickle
 from collections.abc import Callable, Sequence
 from functools import lru_cache
 from typing import Any, Literal, overload
@@ -31,24 +43,51 @@ from typing import Any, Literal, overload
 import cbor2
 import xxhash
 
-DEFAULT_ALGORITHM = "sha256_cbor"
-DEFAULT_SEED = "0"
+DEFAULT_ALGORITHM = "sha256"
+"""vLLM's default `prefix_caching_hash_algo`."""
+VLLM_DEFAULT_SEED = "vllm-none-hash"
+"""vLLM's seed for the SHA-256 algorithms when PYTHONHASHSEED is unset."""
+CRYPTOGRAPHIC_ALGORITHMS = ("sha256", "sha256_cbor")
 
 HashFn = Callable[[Any], bytes]
 ExtraKeys = tuple[Any, ...]
 
 
+def _pickle(obj: Any) -> bytes:
+    return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def _cbor(obj: Any) -> bytes:
+    return cbor2.dumps(obj, canonical=True)
+
+
+def sha256(obj: Any) -> bytes:
+    """SHA-256 of the pickle of `obj` (32 bytes): vLLM's default block hash."""
+    return hashlib.sha256(_pickle(obj)).digest()
+
+
 def sha256_cbor(obj: Any) -> bytes:
     """SHA-256 of the canonical CBOR encoding of `obj` (32 bytes)."""
-    return hashlib.sha256(cbor2.dumps(obj, canonical=True)).digest()
+    return hashlib.sha256(_cbor(obj)).digest()
+
+
+def xxhash_pickle(obj: Any) -> bytes:
+    """xxh3-128 of the pickle of `obj` (16 bytes): vLLM's `xxhash`."""
+    return bytes(xxhash.xxh3_128(_pickle(obj)).digest())
 
 
 def xxhash_cbor(obj: Any) -> bytes:
     """xxh3-128 of the canonical CBOR encoding of `obj` (16 bytes)."""
-    return bytes(xxhash.xxh3_128(cbor2.dumps(obj, canonical=True)).digest())
+    return bytes(xxhash.xxh3_128(_cbor(obj)).digest())
 
 
-HASH_FUNCTIONS: dict[str, HashFn] = {"sha256_cbor": sha256_cbor, "xxhash_cbor": xxhash_cbor}
+HASH_FUNCTIONS: dict[str, HashFn] = {
+    "sha256": sha256,
+    "sha256_cbor": sha256_cbor,
+    "xxhash": xxhash_pickle,
+    "xxhash_cbor": xxhash_cbor,
+}
+ALGORITHMS = tuple(HASH_FUNCTIONS)
 
 
 def get_hash_fn(algorithm: str) -> HashFn:
@@ -60,12 +99,35 @@ def get_hash_fn(algorithm: str) -> HashFn:
         raise ValueError(f"unknown hash algorithm {algorithm!r}; valid: {valid}") from None
 
 
+_PROCESS_SEED = os.urandom(32).hex()  # vLLM's random seed for xxhash, one per process
+
+
+def resolve_seed(algorithm: str, seed: str | None = None) -> str:
+    """The seed string NONE_HASH is derived from: `seed` if given, else vLLM's rule."""
+    if seed is not None:
+        if not isinstance(seed, str):
+            raise ValueError(f"hash seed must be a string, got {seed!r}")
+        return seed
+    get_hash_fn(algorithm)
+    env = os.environ.get("PYTHONHASHSEED")
+    if env is not None:
+        return env
+    return VLLM_DEFAULT_SEED if algorithm in CRYPTOGRAPHIC_ALGORITHMS else _PROCESS_SEED
+
+
+def is_reproducible(algorithm: str, seed: str | None = None) -> bool:
+    """Whether another process can compute the same hashes (not a random xxhash seed)."""
+    return resolve_seed(algorithm, seed) != _PROCESS_SEED
+
+
 @lru_cache(maxsize=64)
+def _seed_hash(algorithm: str, resolved_seed: str) -> bytes:
+    return get_hash_fn(algorithm)(resolved_seed)
+
+
 def seed_hash(algorithm: str = DEFAULT_ALGORITHM, seed: str | None = None) -> bytes:
-    """The parent hash of block 0 (vLLM's `NONE_HASH`) for this algorithm and seed string."""
-    if seed is not None and not isinstance(seed, str):
-        raise ValueError(f"hash seed must be a string, got {seed!r}")
-    return get_hash_fn(algorithm)(DEFAULT_SEED if seed is None else seed)
+    """The parent hash of block 0 (vLLM's `NONE_HASH`) for this algorithm and seed."""
+    return _seed_hash(algorithm, resolve_seed(algorithm, seed))
 
 
 def hash_block_tokens(
@@ -82,16 +144,63 @@ def hash_block_tokens(
     return get_hash_fn(algorithm)((parent_hash, tuple(token_ids), extra_keys))
 
 
+# -- extra keys ---------------------------------------------------------------------------------
+
+
 def request_extra_keys(
-    block_index: int, *, lora_name: str | None = None, cache_salt: str | None = None
+    block_index: int,
+    *,
+    lora_name: str | None = None,
+    lora_path: str | None = None,
+    cache_salt: str | None = None,
 ) -> ExtraKeys | None:
-    """Extra keys of a request's block: LoRA name on all blocks, the salt on block 0 only."""
+    """The tagged extra keys of a text request's block, as vLLM hashes them."""
     keys: list[Any] = []
     if lora_name is not None:
-        keys.append(lora_name)
-    if cache_salt is not None and block_index == 0:
-        keys.append(cache_salt)
+        keys.append(("lora", lora_name, lora_path))
+    if cache_salt and block_index == 0:  # "" is no salt, as in vLLM
+        keys.append(("cache_salt", cache_salt))
     return tuple(keys) if keys else None
+
+
+def to_event(extra_keys: ExtraKeys | None) -> ExtraKeys | None:
+    """One block's extra keys as events carry them: untagged (vLLM's `to_event_extra_keys`)."""
+    if extra_keys is None:
+        return None
+    return tuple(tuple(k[1:]) if k[0] == "mm" else k[1] for k in extra_keys)
+
+
+def from_event(
+    event_keys: Sequence[Any] | None, block_index: int, lora_name: str | None
+) -> ExtraKeys | None:
+    """The tagged keys vLLM hashed for a block, rebuilt from an event's untagged entry.
+
+    Raises `ValueError` where the event does not carry enough to rebuild them: a LoRA block (its
+    adapter path is hashed but not published) or an entry of no known shape.
+    """
+    if event_keys is None:
+        return None
+    if lora_name is not None:
+        raise ValueError("a LoRA block's hash covers the adapter path, which events do not carry")
+    keys: list[Any] = []
+    for key in event_keys:
+        if isinstance(key, list | tuple) and len(key) == 2:
+            keys.append(("mm", key[0], key[1]))
+        elif isinstance(key, str) and block_index == 0:
+            keys.append(("cache_salt", key))
+        elif isinstance(key, bytes):
+            keys.append(("prompt_embeds", key))
+        else:
+            raise ValueError(f"extra key {key!r} of block {block_index} has no known shape")
+    return tuple(keys) if keys else None
+
+
+# -- chains ------------------------------------------------------------------------------------
+
+
+def _check_block_size(block_size: object) -> None:
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
 
 
 class RequestBlockHasher:
@@ -108,14 +217,14 @@ class RequestBlockHasher:
         algorithm: str = DEFAULT_ALGORITHM,
         seed: str | None = None,
         lora_name: str | None = None,
+        lora_path: str | None = None,
         cache_salt: str | None = None,
     ) -> None:
-        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-            raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
+        _check_block_size(block_size)
         self.block_size = block_size
         self._hash_fn = get_hash_fn(algorithm)
         self._parent = seed_hash(algorithm, seed)
-        self._lora_name = lora_name
+        self._lora = (lora_name, lora_path)
         self._cache_salt = cache_salt
         self._pending: list[int] = []
         self.block_hashes: list[bytes] = []
@@ -123,6 +232,15 @@ class RequestBlockHasher:
     @property
     def num_tokens(self) -> int:
         return len(self.block_hashes) * self.block_size + len(self._pending)
+
+    def extra_keys(self, block_index: int) -> ExtraKeys | None:
+        """The tagged extra keys of block `block_index` of this request."""
+        return request_extra_keys(
+            block_index,
+            lora_name=self._lora[0],
+            lora_path=self._lora[1],
+            cache_salt=self._cache_salt,
+        )
 
     def append(self, token_ids: Sequence[int]) -> list[bytes]:
         """Add tokens; return the hashes of the blocks that became full."""
@@ -133,9 +251,7 @@ class RequestBlockHasher:
         start = 0
         while len(pending) - start >= bs:
             block = tuple(pending[start : start + bs])
-            extra = request_extra_keys(
-                len(self.block_hashes), lora_name=self._lora_name, cache_salt=self._cache_salt
-            )
+            extra = self.extra_keys(len(self.block_hashes))
             self._parent = self._hash_fn((self._parent, block, extra))
             self.block_hashes.append(self._parent)
             new.append(self._parent)
@@ -152,35 +268,46 @@ def block_hashes(
     algorithm: str = DEFAULT_ALGORITHM,
     seed: str | None = None,
     extra_keys: Sequence[ExtraKeys | None] | None = None,
+    parent_hash: bytes | None = None,
     lora_name: str | None = None,
+    lora_path: str | None = None,
     cache_salt: str | None = None,
 ) -> list[bytes]:
     """Chained hashes of every full block of `token_ids`.
 
-    Extra keys come either from `lora_name`/`cache_salt` (the request form) or explicitly,
-    one entry per full block, as a `BlockStored` event carries them in `extra_keys`.
+    Extra keys come either from `lora_name`/`lora_path`/`cache_salt` (the request form) or
+    explicitly: one tagged entry (a tuple or None) per full block. `parent_hash` continues a
+    chain (the tokens then start at a block boundary after it).
     """
-    if extra_keys is None:
+    if extra_keys is None and parent_hash is None:
         hasher = RequestBlockHasher(
-            block_size, algorithm=algorithm, seed=seed, lora_name=lora_name, cache_salt=cache_salt
+            block_size,
+            algorithm=algorithm,
+            seed=seed,
+            lora_name=lora_name,
+            lora_path=lora_path,
+            cache_salt=cache_salt,
         )
         return hasher.append(token_ids)
-    if lora_name is not None or cache_salt is not None:
+    if extra_keys is not None and (lora_name is not None or cache_salt is not None):
         raise ValueError("pass either extra_keys or lora_name/cache_salt, not both")
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-        raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
+    _check_block_size(block_size)
     num_blocks = len(token_ids) // block_size
-    if len(extra_keys) != num_blocks:
+    if extra_keys is not None and len(extra_keys) != num_blocks:
         raise ValueError(
             f"extra_keys has {len(extra_keys)} entries for {num_blocks} full blocks; "
             "give one entry (a tuple or None) per full block"
         )
     hash_fn = get_hash_fn(algorithm)
-    parent = seed_hash(algorithm, seed)
+    parent = parent_hash or seed_hash(algorithm, seed)
     out: list[bytes] = []
     for i in range(num_blocks):
         block = tuple(token_ids[i * block_size : (i + 1) * block_size])
-        extra = None if extra_keys[i] is None else tuple(extra_keys[i])  # type: ignore[arg-type]
+        if extra_keys is not None:
+            keys = extra_keys[i]
+            extra = None if keys is None else tuple(keys)
+        else:  # a continued request chain: its later blocks carry only the LoRA key
+            extra = request_extra_keys(1, lora_name=lora_name, lora_path=lora_path)
         parent = hash_fn((parent, block, extra))
         out.append(parent)
     return out

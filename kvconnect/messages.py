@@ -120,6 +120,8 @@ class NewRequestData:
     block_hashes: list[bytes]
     block_ids: list[int]
     num_computed_tokens: int = 0
+    cache_salt: str | None = None
+    """Part of block 0's hash (and of its KV events' extra keys)."""
 
 
 @dataclass

@@ -42,7 +42,7 @@ MAP_FORM = (
     b"\x93"
     + b"\xcb\x3f\xf8\x00\x00\x00\x00\x00\x00"
     + b"\x93"
-    + b"\x88"
+    + b"\xde\x00\x08"  # map16: vLLM 0.33's BlockStored has 16 possible keys, 8 written
     + s("type")
     + s("BlockStored")
     + s("block_hashes")
@@ -127,6 +127,10 @@ def full_stored() -> BlockStored:
         group_idx=1,
         kv_cache_spec_kind="full_attention",
         kv_cache_spec_sliding_window=4096,
+        locality="LOCAL",
+        ownership="tier-1",
+        session_id="chat-42",
+        lookahead_token_ids=[[5, 6], [7]],
     )
 
 
@@ -134,7 +138,11 @@ def full_stored() -> BlockStored:
 def test_round_trip_every_field(legacy: bool) -> None:
     batch = KVEventBatch(
         123.25,
-        [full_stored(), BlockRemoved([5, 2**63], MEDIUM_EXTERNAL, group_idx=2), AllBlocksCleared()],
+        [
+            full_stored(),
+            BlockRemoved([5, 2**63], MEDIUM_EXTERNAL, group_idx=2, locality="REMOTE"),
+            AllBlocksCleared(),
+        ],
         7,
     )
     assert decode_batch(encode_batch(batch, legacy=legacy)) == batch
@@ -189,7 +197,7 @@ def test_tolerates_unknown_keys_and_key_order() -> None:
 def test_tolerates_two_element_batch_and_extra_trailing_fields() -> None:
     assert decode_batch(enc([1.0, [REMOVED_MAP]])).data_parallel_rank is None
     assert decode_batch(enc([1.0, [REMOVED_MAP], 3, "future"])).data_parallel_rank == 3
-    legacy = ["BlockRemoved", [1], "GPU", 0, "future-field", 9]
+    legacy = ["BlockRemoved", [1], "GPU", 0, None, None, "future-field", 9]
     assert decode_batch(enc([1.0, [legacy], 0])).events == [BlockRemoved([1], "GPU", 0)]
 
 

@@ -37,6 +37,7 @@ from typing import Any, Protocol
 
 from kvconnect.config import KVTransferConfig
 from kvconnect.events import KVCacheEvent
+from kvconnect.hashing import DEFAULT_ALGORITHM
 from kvconnect.messages import (
     KVConnectorMetadata,
     KVConnectorOutput,
@@ -66,6 +67,8 @@ class ConnectorRequest(Protocol):
     def block_hashes(self) -> Sequence[bytes]: ...
     @property
     def kv_transfer_params(self) -> dict[str, Any] | None: ...
+    @property
+    def cache_salt(self) -> str | None: ...
 
 
 @dataclass(frozen=True)
@@ -82,10 +85,10 @@ class KVConnectorContext:
     """Tokens per KV cache block."""
     model_name: str = ""
     """Model identity, part of any storage key shared across instances."""
-    hash_algorithm: str = "sha256_cbor"
+    hash_algorithm: str = DEFAULT_ALGORITHM
     """Block hash algorithm (see `kvconnect.hashing`)."""
     hash_seed: str | None = None
-    """Block hash seed string; None is `kvconnect.hashing.DEFAULT_SEED`."""
+    """Block hash seed string; None is vLLM's rule (`kvconnect.hashing.resolve_seed`)."""
     data_parallel_rank: int = 0
     """Which data-parallel engine this is."""
 

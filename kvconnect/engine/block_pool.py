@@ -9,6 +9,9 @@ A block is in exactly one of two states:
     get_new_blocks     a free cached block is reused: evicted    -> BlockRemoved (one per block)
     reset_prefix_cache all blocks free: cache emptied            -> AllBlocksCleared
 
+Events are shaped as vLLM's: medium "GPU", group 0 ("full_attention": one kind of attention
+layer), and on BlockStored the run's token ids and one extra-keys entry per block.
+
 The same hash may be cached in several blocks (two requests computed the same prefix at once);
 as in vLLM each copy gets its own events, so consumers count per hash.
 Events are buffered here and drained by the scheduler once per step (`take_events`).
@@ -17,12 +20,14 @@ Events are buffered here and drained by the scheduler once per step (`take_event
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from kvconnect.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
-from kvconnect.hashing import to_wire
+from kvconnect.hashing import ExtraKeys, to_wire
 
 MEDIUM_GPU = "GPU"
+GROUP_IDX = 0
+SPEC_KIND = "full_attention"
 
 
 class KVCacheBlock:
@@ -103,7 +108,7 @@ class BlockPool:
             del self._cached[h]
         block.block_hash = None
         if self.enable_kv_cache_events:
-            self._events.append(BlockRemoved([to_wire(h)], MEDIUM_GPU))
+            self._events.append(BlockRemoved([to_wire(h)], MEDIUM_GPU, group_idx=GROUP_IDX))
 
     def evict_blocks(self, block_ids: Iterable[int]) -> None:
         """Drop blocks from the prefix cache (their contents are bad, e.g. a failed load)."""
@@ -125,11 +130,14 @@ class BlockPool:
         token_ids: Sequence[int],
         num_cached_blocks: int,
         num_full_blocks: int,
+        event_extra_keys: Callable[[int], ExtraKeys | None] = lambda _: None,
     ) -> None:
-        """Enter blocks[num_cached_blocks:num_full_blocks] of a request in the prefix cache."""
+        """Enter blocks[num_cached_blocks:num_full_blocks] of a request in the prefix cache.
+        `event_extra_keys(i)` is block i's extra keys as events carry them."""
         if not self.enable_caching or num_cached_blocks >= num_full_blocks:
             return
         new_hashes = []
+        extra_keys: list[ExtraKeys | None] = []
         for i in range(num_cached_blocks, num_full_blocks):
             block, h = blocks[i], block_hashes[i]
             if block.block_hash is not None:  # already cached (a prefix-cache hit)
@@ -137,6 +145,7 @@ class BlockPool:
             block.block_hash = h
             self._cached.setdefault(h, {})[block.block_id] = block
             new_hashes.append(h)
+            extra_keys.append(event_extra_keys(i))
         if self.enable_kv_cache_events and new_hashes:
             bs = self.block_size
             parent = to_wire(block_hashes[num_cached_blocks - 1]) if num_cached_blocks else None
@@ -149,6 +158,9 @@ class BlockPool:
                     lora_id=None,
                     medium=MEDIUM_GPU,
                     lora_name=None,
+                    extra_keys=extra_keys,
+                    group_idx=GROUP_IDX,
+                    kv_cache_spec_kind=SPEC_KIND,
                 )
             )
 

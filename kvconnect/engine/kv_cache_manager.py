@@ -73,7 +73,12 @@ class KVCacheManager:
         num_cached = self._num_cached_blocks.get(request.request_id, 0)
         if num_full > num_cached:
             self.pool.cache_full_blocks(
-                blocks, request.block_hashes, request.all_token_ids, num_cached, num_full
+                blocks,
+                request.block_hashes,
+                request.all_token_ids,
+                num_cached,
+                num_full,
+                request.event_extra_keys,
             )
             self._num_cached_blocks[request.request_id] = num_full
 

@@ -24,6 +24,7 @@ from kvconnect.engine.executor import EngineDeadError, Executor
 from kvconnect.engine.request import CompletionOutput, Request, RequestOutput, SamplingParams
 from kvconnect.engine.scheduler import Scheduler, SchedulerConfig
 from kvconnect.engine.worker import WorkerConfig
+from kvconnect.hashing import DEFAULT_ALGORITHM
 from kvconnect.model.loader import load_model_info
 from kvconnect.publisher import EventPublisher, EventPublisherFactory
 
@@ -61,7 +62,7 @@ class LLM:
         max_num_seqs: int = 64,
         enable_chunked_prefill: bool = True,
         max_model_len: int | None = None,
-        hash_algorithm: str = "sha256_cbor",
+        hash_algorithm: str = DEFAULT_ALGORITHM,
         hash_seed: str | None = None,
         data_parallel_rank: int = 0,
         step_timeout: float = 60.0,

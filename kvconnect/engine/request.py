@@ -6,7 +6,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvconnect.hashing import RequestBlockHasher
+from kvconnect.hashing import DEFAULT_ALGORITHM, ExtraKeys, RequestBlockHasher, to_event
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,7 @@ class Request:
         sampling_params: SamplingParams,
         block_size: int,
         *,
-        hash_algorithm: str = "sha256_cbor",
+        hash_algorithm: str = DEFAULT_ALGORITHM,
         hash_seed: str | None = None,
         eos_token_id: int | None = None,
         kv_transfer_params: dict[str, Any] | None = None,
@@ -75,6 +75,7 @@ class Request:
         if not prompt_token_ids:
             raise ValueError(f"request {request_id!r}: the prompt has no tokens")
         self.request_id = request_id
+        self.cache_salt = cache_salt or None  # "" is no salt, as in vLLM
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)
@@ -102,6 +103,10 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    def event_extra_keys(self, block_index: int) -> ExtraKeys | None:
+        """Block `block_index`'s extra keys as KV events carry them (untagged)."""
+        return to_event(self._hasher.extra_keys(block_index))
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

@@ -258,6 +258,7 @@ class Scheduler:
                 list(req.block_hashes),
                 block_ids,
                 num_computed,
+                req.cache_salt,
             )
         )
         self._add_scheduled(scheduler_output, req, num_new, block_ids)

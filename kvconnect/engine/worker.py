@@ -27,6 +27,7 @@ from kvconnect.connector.base import KVConnectorBase, KVConnectorContext, KVConn
 from kvconnect.connector.registry import KVConnectorFactory
 from kvconnect.connector.step import run_worker_step
 from kvconnect.engine.shm_all_reduce import ShmAllReduce, ShmAllReduceHandle
+from kvconnect.hashing import DEFAULT_ALGORITHM
 from kvconnect.messages import KVConnectorOutput, SchedulerOutput
 from kvconnect.model.llama import AttentionMetadata, LayerHooks
 from kvconnect.model.loader import load_model
@@ -41,7 +42,7 @@ class WorkerConfig:
     dtype: str = "float32"
     seed: int = 0
     kv_transfer_config: KVTransferConfig | None = None
-    hash_algorithm: str = "sha256_cbor"
+    hash_algorithm: str = DEFAULT_ALGORITHM
     hash_seed: str | None = None
     data_parallel_rank: int = 0
     dist_port: int = 0

@@ -1,6 +1,6 @@
 """Which instance holds which block, in which tier, built from the instances' KV event streams.
 
-    entries:  block hash -> {(instance slot, generation, medium): count}     (LRU ordered)
+    entries:  block key -> {(instance slot, generation, medium): count}     (LRU ordered)
 
 An instance is named once, when it is registered (`add_instance`; the router uses its URL), and
 that one name is used by the index, the scorer, metrics and logs.
@@ -11,9 +11,18 @@ that one name is used by the index, the scorer, metrics and logs.
   generation: O(1), old entries stop counting and are swept lazily.
 - `EXTERNAL` blocks (a store shared by the instances, e.g. Redis) count for every instance.
 - A cap on entries evicts the least recently stored hashes (counted).
-- `BlockStored` events that start a prefix (no parent) are re-hashed with the router's own
-  settings; a mismatch means the router and that engine disagree on the seed, algorithm or
-  block size, so prefix routing cannot work: it is counted and logged loudly.
+
+Per instance, the index learns from the stream (see `schemes.py`) its block size and its hash
+scheme: the first `BlockStored` that starts a prefix and carries its tokens is checked against
+the configured scheme and the known candidates. A match keys the instance's entries by its own
+engine hashes. No match (a random or private seed, another algorithm) keys them by the
+router's own chain over the events' token ids (engine hash -> router key), so routing still
+works; events without tokens then resolve through that map or are counted as unresolvable. A
+later prefix-starting event that contradicts the learned scheme is a HASH MISMATCH (counted,
+logged once): the instance is cleared and learned anew.
+
+A request is scored against each instance at that instance's block size and scheme: one hash
+chain per distinct (scheme, block size), shared by the instances that have it.
 
 Single-threaded: the router serialises `apply_*` and `score` itself.
 """
@@ -33,12 +42,21 @@ from kvconnect.events import (
     ExternalBlockHash,
     KVEventBatch,
 )
-from kvconnect.hashing import DEFAULT_ALGORITHM, block_hashes, to_wire
+from kvconnect.hashing import DEFAULT_ALGORITHM
+from kvconnect.router.schemes import (
+    HashScheme,
+    RouterKeys,
+    candidate_schemes,
+    checkable,
+    first_block_matches,
+)
 from kvconnect.subscriber import EventsLost, PublisherRestarted, ReceivedBatch, SubscriberItem
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_TIER_WEIGHTS = {"GPU": 1.0, "CPU": 0.8, "DISK": 0.5, "EXTERNAL": 0.3}
+
+Key = tuple[int, int, str]  # (instance slot, generation, medium)
 
 
 @dataclass
@@ -50,6 +68,17 @@ class PrefixScore:
     weighted: float = 0.0
     """The same blocks weighted by their best tier."""
     blocks_per_tier: dict[str, int] = field(default_factory=dict)
+    block_size: int = 0
+    """The instance's block size (0: not known yet)."""
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def weighted_tokens(self) -> float:
+        """Prefill tokens this instance saves, weighted by tier."""
+        return self.weighted * self.block_size
 
 
 @dataclass
@@ -58,7 +87,18 @@ class _Instance:
     slot: int
     generation: int = 0
     stale: bool = False
+    block_size: int | None = None
+    scheme: HashScheme | None = None
+    """The engine's own scheme, once an event has shown it."""
+    router_keys: RouterKeys | None = None
+    """Set when no known scheme reproduces its events: entries are keyed by the router."""
     hash_mismatches: int = 0
+
+    @property
+    def scheme_name(self) -> str:
+        if self.router_keys is not None:
+            return f"router-keyed:{self.router_keys.scheme}"
+        return "unknown" if self.scheme is None else str(self.scheme)
 
 
 @dataclass
@@ -80,20 +120,25 @@ class BlockIndex:
         *,
         hash_algorithm: str = DEFAULT_ALGORITHM,
         hash_seed: str | None = None,
+        hash_candidates: Sequence[HashScheme] | None = None,
         max_entries: int = 1_000_000,
         tier_weights: dict[str, float] | None = None,
         external_shared: bool = True,
     ) -> None:
+        """`block_size` and the scheme (`hash_algorithm`, `hash_seed`; None is vLLM's rule)
+        are what the router assumes until an instance's events say otherwise; the scheme also
+        keys instances whose own hashes no candidate reproduces."""
         self.block_size = block_size
-        self.hash_algorithm, self.hash_seed = hash_algorithm, hash_seed
+        self.scheme = HashScheme.resolve(hash_algorithm, hash_seed)
+        self.candidates = (
+            list(hash_candidates) if hash_candidates is not None else candidate_schemes(self.scheme)
+        )
         self.max_entries = max_entries
         self.tier_weights = dict(DEFAULT_TIER_WEIGHTS if tier_weights is None else tier_weights)
         self.external_shared = external_shared
         self.instances: dict[str, _Instance] = {}
         self._by_slot: list[_Instance] = []
-        self._entries: OrderedDict[ExternalBlockHash, dict[tuple[int, int, str], int]] = (
-            OrderedDict()
-        )
+        self._entries: OrderedDict[ExternalBlockHash, dict[Key, int]] = OrderedDict()
         self.stats = IndexStats()
 
     @property
@@ -113,6 +158,10 @@ class BlockIndex:
             inst = self.instances[name]
         return inst
 
+    def schemes(self) -> dict[str, tuple[str, int | None]]:
+        """Per instance: the hash scheme learned from its stream, and its block size."""
+        return {name: (i.scheme_name, i.block_size) for name, i in self.instances.items()}
+
     # -- applying events ------------------------------------------------------------------------
 
     def apply_item(self, instance: str, item: SubscriberItem) -> None:
@@ -120,8 +169,9 @@ class BlockIndex:
         if isinstance(item, ReceivedBatch):
             self.apply_batch(instance, item.batch)
         elif isinstance(item, PublisherRestarted):
+            # A new engine process: its seed (and so its scheme) may be new too.
             self.stats.restarts += 1
-            self.clear_instance(instance)
+            self.clear_instance(instance, relearn=True)
         elif isinstance(item, EventsLost):
             # Missed removals could make old entries lie: drop them; fresh events rebuild.
             self.stats.gaps_lost += 1
@@ -134,17 +184,24 @@ class BlockIndex:
         for event in batch.events:
             self.stats.events_applied += 1
             if isinstance(event, BlockStored):
-                self._check_hashes(inst, event)
-                self._store(event.block_hashes, (inst.slot, inst.generation, event.medium or "GPU"))
+                if event.parent_block_hash is None and inst.router_keys is None:
+                    self._check_scheme(inst, event)
+                keys = event.block_hashes
+                if inst.router_keys is not None:
+                    keys = inst.router_keys.store(event)
+                self._store(keys, (inst.slot, inst.generation, event.medium or "GPU"))
             elif isinstance(event, BlockRemoved):
-                key_medium = event.medium or "GPU"
+                key = (inst.slot, inst.generation, event.medium or "GPU")
+                router_keys = inst.router_keys
                 for h in event.block_hashes:
-                    self._remove(h, (inst.slot, inst.generation, key_medium))
+                    mapped = h if router_keys is None else router_keys.remove(h)
+                    if mapped is not None:
+                        self._remove(mapped, key)
             elif isinstance(event, AllBlocksCleared):
                 self.clear_instance(instance)
                 inst.stale = False  # a full clear is a resync point
 
-    def _store(self, hashes: list[ExternalBlockHash], key: tuple[int, int, str]) -> None:
+    def _store(self, hashes: Sequence[ExternalBlockHash], key: Key) -> None:
         """The hot path of `apply_batch`: count `key` once more for each hash."""
         entries = self._entries
         for h in hashes:
@@ -158,7 +215,7 @@ class BlockIndex:
                 entries.move_to_end(h)
                 holders[key] = holders.get(key, 0) + 1
 
-    def _remove(self, h: ExternalBlockHash, key: tuple[int, int, str]) -> None:
+    def _remove(self, h: ExternalBlockHash, key: Key) -> None:
         """Count `key` once less for `h`; a removal nothing matches is counted, not an error."""
         holders = self._entries.get(h)
         count = holders.get(key) if holders is not None else None
@@ -171,7 +228,7 @@ class BlockIndex:
             del holders[key]
             self._sweep(h, holders)
 
-    def _sweep(self, h: ExternalBlockHash, holders: dict[tuple[int, int, str], int]) -> None:
+    def _sweep(self, h: ExternalBlockHash, holders: dict[Key, int]) -> None:
         """Drop holders of old generations; the entry itself when nobody is left."""
         by_slot = self._by_slot
         for key in [k for k in holders if by_slot[k[0]].generation != k[1]]:
@@ -179,64 +236,118 @@ class BlockIndex:
         if not holders:
             del self._entries[h]
 
-    def clear_instance(self, instance: str) -> None:
-        """Forget everything `instance` announced (O(1): its generation moves on)."""
-        self._instance(instance).generation += 1
+    def clear_instance(self, instance: str, relearn: bool = False) -> None:
+        """Forget everything `instance` announced (O(1): its generation moves on); with
+        `relearn`, also its block size and hash scheme."""
+        inst = self._instance(instance)
+        inst.generation += 1
+        if inst.router_keys is not None:
+            inst.router_keys.clear()
+        if relearn:
+            inst.scheme, inst.router_keys, inst.block_size = None, None, None
         self.stats.clears += 1
 
-    def _check_hashes(self, inst: _Instance, event: BlockStored) -> None:
-        if event.parent_block_hash is not None or not event.token_ids:
+    # -- learning an instance's scheme -----------------------------------------------------------
+
+    def _check_scheme(self, inst: _Instance, event: BlockStored) -> None:
+        """Learn the instance's scheme from a prefix-starting event, or check it against it."""
+        keys = checkable(event)
+        if keys is None:
             return
-        if len(event.token_ids) != event.block_size * len(event.block_hashes):
-            return
-        if event.block_size != self.block_size:
-            mine: list[ExternalBlockHash] = []
-        else:
-            raw = block_hashes(
-                event.token_ids,
-                self.block_size,
-                algorithm=self.hash_algorithm,
-                seed=self.hash_seed,
-                extra_keys=event.extra_keys,
+        if inst.scheme is not None and inst.block_size == event.block_size:
+            if first_block_matches(event, keys, inst.scheme):
+                return
+            self._mismatch(inst, event)
+        inst.block_size = event.block_size
+        inst.scheme = next(
+            (s for s in self.candidates if first_block_matches(event, keys, s)), None
+        )
+        if inst.scheme is not None:
+            logger.info(
+                "router: %s hashes blocks with %s at block size %d",
+                inst.name,
+                inst.scheme,
+                inst.block_size,
             )
-            mine = [to_wire(h, as_int=isinstance(event.block_hashes[0], int)) for h in raw]
-        if mine != list(event.block_hashes):
-            inst.hash_mismatches += 1
-            self.stats.hash_mismatches += 1
-            if inst.hash_mismatches == 1:
-                logger.error(
-                    "HASH MISMATCH from %s: its block hashes differ from the router's "
-                    "(block_size %d vs %d, algorithm %s, seed %r). Prefix routing to this "
-                    "instance cannot work until the settings agree.",
-                    inst.name,
-                    event.block_size,
-                    self.block_size,
-                    self.hash_algorithm,
-                    self.hash_seed,
-                )
+            return
+        # Nothing reproduces its hashes: key its blocks by the router's own chain. What it
+        # announced before (keyed by its own hashes) cannot be translated: start over.
+        self.clear_instance(inst.name)
+        inst.router_keys = RouterKeys(self.scheme, self.max_entries)
+        logger.warning(
+            "router: no known hash scheme reproduces %s's block hashes (a random or private "
+            "seed, or another algorithm); keying it by the router's own %s chain over its "
+            "events' token ids",
+            inst.name,
+            self.scheme,
+        )
+
+    def _mismatch(self, inst: _Instance, event: BlockStored) -> None:
+        inst.hash_mismatches += 1
+        self.stats.hash_mismatches += 1
+        if inst.hash_mismatches == 1:
+            logger.error(
+                "HASH MISMATCH from %s: a prefix-starting event's hashes contradict its own "
+                "token ids under the scheme learned from its stream (%s, block size %s); "
+                "forgetting its entries and learning its scheme again",
+                inst.name,
+                inst.scheme,
+                inst.block_size,
+            )
+        self.clear_instance(inst.name)
 
     # -- lookups ----------------------------------------------------------------------------
 
-    def request_hashes(self, token_ids: Sequence[int]) -> list[ExternalBlockHash]:
-        """The wire hashes of a request's full blocks, as the engines compute them."""
-        raw = block_hashes(
-            token_ids, self.block_size, algorithm=self.hash_algorithm, seed=self.hash_seed
+    def request_hashes(
+        self,
+        token_ids: Sequence[int],
+        block_size: int | None = None,
+        scheme: HashScheme | None = None,
+        cache_salt: str | None = None,
+    ) -> list[ExternalBlockHash]:
+        """The wire hashes of a request's full blocks (the router's defaults unless given)."""
+        return (scheme or self.scheme).wire_hashes(
+            token_ids, block_size or self.block_size, cache_salt=cache_salt
         )
-        return [to_wire(h) for h in raw]
 
-    def score(self, token_ids: Sequence[int]) -> dict[str, PrefixScore]:
-        return self.score_hashes(self.request_hashes(token_ids))
+    def score(
+        self, token_ids: Sequence[int], cache_salt: str | None = None
+    ) -> dict[str, PrefixScore]:
+        """Per instance, what it holds of the request's prefix, hashed its own way."""
+        groups: dict[tuple[HashScheme, int], list[int]] = {}
+        for inst in self._by_slot:
+            if inst.block_size is None:
+                continue  # nothing announced with tokens yet: nothing to match
+            rk = inst.router_keys
+            scheme = rk.scheme if rk is not None else inst.scheme or self.scheme
+            groups.setdefault((scheme, inst.block_size), []).append(inst.slot)
+        out = {inst.name: PrefixScore() for inst in self._by_slot}
+        for (scheme, bs), slots in groups.items():
+            hashes = scheme.wire_hashes(token_ids, bs, cache_salt=cache_salt)
+            for slot, score in self._score_slots(hashes, slots).items():
+                score.block_size = bs
+                out[self._by_slot[slot].name] = score
+        return out
 
     def score_hashes(self, hashes: Sequence[ExternalBlockHash]) -> dict[str, PrefixScore]:
-        """Per instance: the longest run of consecutive prefix blocks it can serve, each block
-        weighted by the best tier it is in there."""
+        """Per instance, against one chain of hashes (instances hashing alike)."""
+        scores = self._score_slots(hashes, range(len(self._by_slot)))
+        for slot, score in scores.items():
+            score.block_size = self._by_slot[slot].block_size or self.block_size
+        return {self._by_slot[slot].name: score for slot, score in scores.items()}
+
+    def _score_slots(
+        self, hashes: Sequence[ExternalBlockHash], slots: Sequence[int]
+    ) -> dict[int, PrefixScore]:
+        """For these instance slots: the longest run of consecutive prefix blocks each can
+        serve, each block weighted by the best tier it is in there."""
         by_slot = self._by_slot
         gens = [inst.generation for inst in by_slot]
         weights, shared_tier = self.tier_weights, self.external_shared
-        counts = [0] * len(by_slot)
-        weighted = [0.0] * len(by_slot)
-        tiers: list[dict[str, int]] = [{} for _ in by_slot]
-        alive = list(range(len(by_slot)))
+        counts = dict.fromkeys(slots, 0)
+        weighted = dict.fromkeys(slots, 0.0)
+        tiers: dict[int, dict[str, int]] = {s: {} for s in slots}
+        alive = list(slots)
         for h in hashes:
             holders = self._entries.get(h)
             if not holders or not alive:
@@ -264,10 +375,7 @@ class BlockIndex:
                 weighted[slot] += b[0]
                 tiers[slot][b[1]] = tiers[slot].get(b[1], 0) + 1
             alive = still
-        return {
-            inst.name: PrefixScore(counts[s], weighted[s], tiers[s])
-            for s, inst in enumerate(by_slot)
-        }
+        return {s: PrefixScore(counts[s], weighted[s], tiers[s]) for s in slots}
 
     def holders(self, h: ExternalBlockHash) -> dict[str, set[str]]:
         """The instances holding `h` and in which media (their own, not shared ones)."""
@@ -287,3 +395,6 @@ class BlockIndex:
                 assert count > 0, "non-positive count"
                 assert gen <= self._by_slot[slot].generation, "future generation"
         assert len(self._entries) <= self.max_entries, "over the entry cap"
+        for inst in self._by_slot:
+            if inst.router_keys is not None:
+                inst.router_keys.check_integrity()

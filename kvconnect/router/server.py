@@ -25,7 +25,7 @@ import aiohttp
 from aiohttp import web
 
 from kvconnect.router.index import BlockIndex, PrefixScore
-from kvconnect.router.scorer import choose
+from kvconnect.router.scorer import DEFAULT_LOAD_WEIGHT, choose
 from kvconnect.subscriber import KVEventSubscriber
 from kvconnect.tokenizer import Tokenizer
 
@@ -64,7 +64,7 @@ class Router:
         instances: list[Instance],
         index: BlockIndex,
         tokenizer: Tokenizer,
-        load_weight: float = 4.0,
+        load_weight: float = DEFAULT_LOAD_WEIGHT,
     ) -> None:
         if not instances:
             raise ValueError("the router needs at least one --instance")
@@ -98,11 +98,10 @@ class Router:
             with self.lock:
                 self.index.apply_item(self._name_by_endpoint[item.stream.endpoint], item)
 
-    def scores(self, token_ids: list[int]) -> tuple[dict[str, PrefixScore], int]:
-        """Per instance name, what it holds of the request's prefix; and the prefix's blocks."""
-        hashes = self.index.request_hashes(token_ids)
+    def scores(self, token_ids: list[int]) -> dict[str, PrefixScore]:
+        """Per instance name, what it holds of the request's prefix."""
         with self.lock:
-            return self.index.score_hashes(hashes), len(hashes)
+            return self.index.score(token_ids)
 
     def pick(self, token_ids: list[int], exclude: set[str]) -> tuple[Instance, PrefixScore] | None:
         """The instance to send the request to (not one in `exclude`), and its score."""
@@ -116,12 +115,11 @@ class Router:
             names = [i.name for i in self.instances if i.name not in exclude]
         if not names:
             return None
-        scores, num_blocks = self.scores(token_ids)
         decision = choose(
             names,
-            scores,
+            self.scores(token_ids),
             {n: self.in_flight[n] for n in names},
-            num_blocks,
+            len(token_ids),
             self.load_weight,
             {n: self.decisions[n] for n in names},
         )
@@ -161,6 +159,11 @@ class Router:
             lines.append((f'kvconnect_router_forward_failures_total{{instance="{name}"}}', n))
         for tier, n in sorted(self.hit_blocks.items()):
             lines.append((f'kvconnect_router_hit_blocks_total{{tier="{tier}"}}', n))
+        with self.lock:
+            schemes = self.index.schemes()
+        for name, (scheme, block_size) in sorted(schemes.items()):
+            labels = f'instance="{name}",scheme="{scheme}",block_size="{block_size or 0}"'
+            lines.append((f"kvconnect_router_instance_hash_scheme{{{labels}}}", 1))
         return "".join(f"{k} {v}\n" for k, v in lines)
 
 

@@ -46,6 +46,7 @@ class FakeRequest:
     all_token_ids: list[int]
     block_hashes: list[bytes] = field(default_factory=list)
     kv_transfer_params: dict[str, Any] | None = None
+    cache_salt: str | None = None
 
     @classmethod
     def make(cls, request_id: str, token_ids: list[int], block_size: int = 4) -> FakeRequest:

@@ -13,6 +13,26 @@ def pool(n: int = 8, events: bool = True) -> BlockPool:
     return BlockPool(n, BS, enable_caching=True, enable_kv_cache_events=events)
 
 
+def stored(hashes: list[bytes], parent: bytes | None, tokens: list[int]) -> BlockStored:
+    """What vLLM's block pool publishes for a run of newly cached blocks."""
+    return BlockStored(
+        [to_wire(h) for h in hashes],
+        None if parent is None else to_wire(parent),
+        tokens,
+        BS,
+        None,
+        "GPU",
+        None,
+        extra_keys=[None] * len(hashes),
+        group_idx=0,
+        kv_cache_spec_kind="full_attention",
+    )
+
+
+def removed(h: bytes) -> BlockRemoved:
+    return BlockRemoved([to_wire(h)], "GPU", group_idx=0)
+
+
 def test_new_blocks_come_from_the_front_of_the_free_queue() -> None:
     p = pool()
     blocks = p.get_new_blocks(3)
@@ -31,10 +51,8 @@ def test_caching_a_run_queues_one_block_stored_with_parent_and_tokens() -> None:
     p.cache_full_blocks(blocks, HASHES, TOKENS, 0, 2)
     p.cache_full_blocks(blocks, HASHES, TOKENS, 2, 4)
     assert p.take_events() == [
-        BlockStored([to_wire(h) for h in HASHES[:2]], None, TOKENS[:8], BS, None, "GPU", None),
-        BlockStored(
-            [to_wire(h) for h in HASHES[2:]], to_wire(HASHES[1]), TOKENS[8:], BS, None, "GPU", None
-        ),
+        stored(HASHES[:2], None, TOKENS[:8]),
+        stored(HASHES[2:], HASHES[1], TOKENS[8:]),
     ]
     assert p.take_events() == []
     assert p.get_cached_block(HASHES[2]) is blocks[2]
@@ -50,8 +68,8 @@ def test_reusing_a_free_cached_block_evicts_it_with_block_removed() -> None:
     assert p.get_cached_block(HASHES[0]) is blocks[0]  # free blocks stay cached
     p.get_new_blocks(2)
     assert p.take_events() == [
-        BlockRemoved([to_wire(HASHES[3])], "GPU"),
-        BlockRemoved([to_wire(HASHES[2])], "GPU"),
+        removed(HASHES[3]),
+        removed(HASHES[2]),
     ]
     assert p.cached_hashes() == {HASHES[0]: 1, HASHES[1]: 1}
     p.check_integrity()
@@ -79,7 +97,7 @@ def test_one_hash_in_two_blocks_gets_events_for_each() -> None:
     assert len(p.take_events()) == 2 and p.cached_hashes() == {HASHES[0]: 2}
     p.free_blocks(a + b)
     p.get_new_blocks(4)
-    assert p.take_events() == [BlockRemoved([to_wire(HASHES[0])], "GPU")] * 2
+    assert p.take_events() == [removed(HASHES[0])] * 2
     assert p.cached_hashes() == {}
     p.check_integrity()
 
@@ -103,7 +121,7 @@ def test_evict_blocks_after_a_failed_load() -> None:
     p.cache_full_blocks(blocks, HASHES, TOKENS, 0, 2)
     p.take_events()
     p.evict_blocks([blocks[1].block_id])
-    assert p.take_events() == [BlockRemoved([to_wire(HASHES[1])], "GPU")]
+    assert p.take_events() == [removed(HASHES[1])]
     assert p.get_cached_block(HASHES[1]) is None
     p.check_integrity()
 
@@ -116,3 +134,13 @@ def test_events_off_and_caching_off() -> None:
     off = BlockPool(4, BS, enable_caching=False, enable_kv_cache_events=True)
     off.cache_full_blocks(off.get_new_blocks(1), HASHES, TOKENS, 0, 1)
     assert off.take_events() == [] and off.cached_hashes() == {}
+
+
+def test_events_carry_each_blocks_extra_keys_as_vllm_publishes_them() -> None:
+    p = pool()
+    blocks = p.get_new_blocks(2)
+    salted = block_hashes(TOKENS[:8], BS, cache_salt="tenant")
+    p.cache_full_blocks(blocks, salted, TOKENS, 0, 2, lambda i: ("tenant",) if i == 0 else None)
+    (event,) = p.take_events()
+    assert isinstance(event, BlockStored) and event.extra_keys == [("tenant",), None]
+    p.check_integrity()

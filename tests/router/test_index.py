@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 from kvconnect.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from kvconnect.hashing import block_hashes, to_wire
 from kvconnect.router.index import BlockIndex
+from kvconnect.router.schemes import HashScheme
 from kvconnect.subscriber import EventsLost, PublisherRestarted, ReceivedBatch, StreamId
 
 A, B = "http://a:1", "http://b:1"
@@ -31,7 +32,7 @@ def test_longest_consecutive_prefix_per_instance_with_tier_weights() -> None:
     idx.apply_batch(A, batch(stored(HASHES[:4], "GPU")))
     idx.apply_batch(B, batch(stored(HASHES[:2], "GPU"), stored(HASHES[2:6], "CPU")))
     idx.apply_batch(A, batch(stored(HASHES[5:6], "GPU")))  # a hole at block 4: not counted
-    scores = idx.score(TOKENS)
+    scores = idx.score_hashes(HASHES)
     assert scores[A].num_blocks == 4 and scores[A].weighted == 4.0
     assert scores[B].num_blocks == 6 and scores[B].weighted == pytest.approx(2 + 4 * 0.8)
     assert scores[B].blocks_per_tier == {"GPU": 2, "CPU": 4}
@@ -42,18 +43,18 @@ def test_best_tier_counts_and_shared_external_tier_serves_everyone() -> None:
     idx = BlockIndex(BS)
     idx.apply_batch(A, batch(stored(HASHES[:3], "DISK"), stored(HASHES[:1], "GPU")))
     idx.apply_batch(B, batch(stored(HASHES[:3], "EXTERNAL")))
-    scores = idx.score(TOKENS)
+    scores = idx.score_hashes(HASHES)
     assert scores[A].weighted == pytest.approx(1.0 + 0.5 + 0.5)
     assert scores[B].weighted == pytest.approx(0.9) and scores[B].num_blocks == 3
     private = BlockIndex(BS, external_shared=False)
     private.apply_batch(B, batch(stored(HASHES[:3], "EXTERNAL")))
     private.apply_batch(A, batch(stored(HASHES[:1], "GPU")))
-    assert private.score(TOKENS)[B].num_blocks == 3  # its own store
-    assert private.score(TOKENS)[A].num_blocks == 1  # B's store is not A's
+    assert private.score_hashes(HASHES)[B].num_blocks == 3  # its own store
+    assert private.score_hashes(HASHES)[A].num_blocks == 1  # B's store is not A's
     shared = BlockIndex(BS)
     shared.apply_batch(B, batch(stored(HASHES[:3], "EXTERNAL")))
     shared.apply_batch(A, batch(stored(HASHES[:1], "GPU")))
-    assert shared.score(TOKENS)[A].blocks_per_tier == {"GPU": 1, "EXTERNAL": 2}
+    assert shared.score_hashes(HASHES)[A].blocks_per_tier == {"GPU": 1, "EXTERNAL": 2}
     for idx in (private, shared):
         idx.check_integrity()
 
@@ -96,16 +97,149 @@ def test_entry_cap_evicts_least_recently_stored() -> None:
     idx.check_integrity()
 
 
-def test_hash_mismatch_is_detected_and_logged_loudly(caplog: pytest.LogCaptureFixture) -> None:
-    good = BlockIndex(BS)
-    good.apply_batch(A, batch(stored(HASHES[:2], tokens=TOKENS[:8], parent=None)))
-    assert good.stats.hash_mismatches == 0
-    wrong_seed = BlockIndex(BS, hash_seed="other")
+def engine_event(
+    tokens: list[int],
+    scheme: HashScheme,
+    block_size: int = BS,
+    *,
+    salt: str | None = None,
+    parent: bytes | None = None,
+    medium: str = "GPU",
+) -> tuple[BlockStored, list[bytes]]:
+    """The BlockStored an engine hashing with `scheme` publishes for these tokens (a whole
+    prefix, or a continuation after `parent`), and the raw hashes (to continue from)."""
+    raw = (
+        block_hashes(
+            tokens, block_size, algorithm=scheme.algorithm, seed=scheme.seed, cache_salt=salt
+        )
+        if parent is None
+        else block_hashes(
+            tokens, block_size, algorithm=scheme.algorithm, seed=scheme.seed, parent_hash=parent
+        )
+    )
+    n = len(raw)
+    keys: list[tuple[object, ...] | None] = [None] * n
+    if salt and parent is None:
+        keys[0] = (salt,)
+    event = BlockStored(
+        [to_wire(h) for h in raw],
+        None if parent is None else to_wire(parent),
+        tokens[: n * block_size],
+        block_size,
+        None,
+        medium,
+        None,
+        extra_keys=keys,
+        group_idx=0,
+        kv_cache_spec_kind="full_attention",
+    )
+    return event, raw
+
+
+VLLM_DEFAULT = HashScheme("sha256", "vllm-none-hash")
+
+
+@pytest.mark.parametrize(
+    "scheme",
+    [
+        VLLM_DEFAULT,
+        HashScheme("sha256", "0"),  # vLLM run with PYTHONHASHSEED=0
+        HashScheme("sha256_cbor", "vllm-none-hash"),
+        HashScheme("xxhash", "0"),
+        HashScheme("xxhash_cbor", "0"),
+    ],
+)
+def test_the_scheme_of_each_instance_is_learned_from_its_stream(scheme: HashScheme) -> None:
+    idx = BlockIndex()  # defaults: vLLM's sha256 and seed rule, 16-token blocks
+    event, _ = engine_event(TOKENS, scheme, block_size=8)
+    idx.apply_batch(A, batch(event))
+    assert idx.schemes() == {A: (str(scheme), 8)}
+    score = idx.score(TOKENS)[A]  # hashed its way, at its block size
+    assert (score.num_blocks, score.block_size, score.num_tokens) == (3, 8, 24)
+    assert idx.stats.hash_mismatches == 0
+    idx.check_integrity()
+
+
+def test_an_unreproducible_scheme_is_keyed_by_the_routers_own_chain(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    private = HashScheme("xxhash", "a random per-process seed")  # vLLM's xxhash default
+    idx = BlockIndex()
+    first, raw = engine_event(TOKENS[:8], private)
+    more, raw2 = engine_event(TOKENS[8:], private, parent=raw[-1])
+    offload = BlockStored([to_wire(raw[0])], None, [], BS, None, "CPU", None)  # no tokens
+    with caplog.at_level(logging.WARNING):
+        idx.apply_batch(A, batch(first, more, offload))
+    assert idx.schemes()[A] == ("router-keyed:sha256:vllm-none-hash", BS)
+    assert "no known hash scheme reproduces" in caplog.text
+    score = idx.score(TOKENS)[A]
+    assert score.num_blocks == 6 and score.blocks_per_tier == {"GPU": 6}
+    assert idx.holders(idx.request_hashes(TOKENS, BS)[0]) == {A: {"GPU", "CPU"}}
+    # Removals name engine hashes: they resolve through the router's map.
+    idx.apply_batch(A, batch(BlockRemoved([to_wire(h) for h in raw2], "GPU")))
+    assert idx.score(TOKENS)[A].num_blocks == 2
+    unknown = BlockStored([12345], None, [], BS, None, "CPU", None)
+    idx.apply_batch(A, batch(unknown, BlockRemoved([999], "GPU")))
+    inst = idx.instances[A]
+    assert inst.router_keys is not None and inst.router_keys.num_unresolvable == 2
+    idx.apply_batch(A, batch(BlockRemoved([to_wire(h) for h in raw], "GPU")))
+    idx.apply_batch(A, batch(BlockRemoved([to_wire(raw[0])], "CPU")))
+    idx.check_integrity()
+    assert idx.num_entries == 0 and len(inst.router_keys) == 0  # nothing left behind
+
+
+def test_instances_with_different_block_sizes_are_scored_each_at_its_own() -> None:
+    idx = BlockIndex()
+    idx.apply_batch(A, batch(engine_event(TOKENS, VLLM_DEFAULT, block_size=4)[0]))
+    idx.apply_batch(B, batch(engine_event(TOKENS, VLLM_DEFAULT, block_size=8)[0]))
+    scores = idx.score([*TOKENS, 7, 7, 7])
+    assert (scores[A].num_blocks, scores[A].num_tokens) == (6, 24)
+    assert (scores[B].num_blocks, scores[B].num_tokens) == (3, 24)
+    idx.check_integrity()
+
+
+def test_a_cache_salt_in_extra_keys_is_learned_and_scored() -> None:
+    idx = BlockIndex()
+    event, _ = engine_event(TOKENS, VLLM_DEFAULT, salt="tenant-a")
+    idx.apply_batch(A, batch(event))
+    assert idx.schemes()[A] == (str(VLLM_DEFAULT), BS)
+    assert idx.score(TOKENS, cache_salt="tenant-a")[A].num_blocks == 6
+    assert idx.score(TOKENS)[A].num_blocks == 0  # unsalted, the same tokens are other blocks
+    idx.check_integrity()
+
+
+def test_events_that_contradict_their_tokens_are_a_mismatch_logged_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    idx = BlockIndex()
+    good, _ = engine_event(TOKENS, VLLM_DEFAULT)
+    idx.apply_batch(A, batch(good))
+    lying = BlockStored([1, 2], None, TOKENS[:8], BS, None, "GPU", None)
+    other = BlockIndex()
+    other.apply_batch(B, batch(good))
     with caplog.at_level(logging.ERROR):
-        wrong_seed.apply_batch(A, batch(stored(HASHES[:2], tokens=TOKENS[:8], parent=None)))
-        wrong_seed.apply_batch(A, batch(stored(HASHES[:2], tokens=TOKENS[:8], parent=None)))
-    assert wrong_seed.stats.hash_mismatches == 2
-    assert caplog.text.count("HASH MISMATCH") == 1
+        idx.apply_batch(A, batch(lying))
+        other.apply_batch(B, batch(lying))
+    assert idx.stats.hash_mismatches == 1 and caplog.text.count("HASH MISMATCH") == 2
+    # It was cleared and keyed anew; its own hashes cannot be trusted, so by the router's
+    # chain over the tokens it announces, which routes whatever its hashes say.
+    assert idx.schemes()[A][0].startswith("router-keyed:")
+    assert idx.score(TOKENS)[A].num_blocks == 2  # the lying event's own two blocks, by tokens
+    idx.apply_batch(A, batch(good))
+    assert idx.score(TOKENS)[A].num_blocks == 6
+    idx.check_integrity()
+
+
+def test_a_restart_relearns_the_scheme() -> None:
+    idx = BlockIndex()
+    idx.apply_batch(A, batch(engine_event(TOKENS, HashScheme("xxhash", "seed-1"))[0]))
+    assert idx.schemes()[A][0].startswith("router-keyed:")
+    idx.apply_item(A, PublisherRestarted(StreamId("tcp://a:2", "", 0), 9, 0))
+    assert idx.schemes()[A] == ("unknown", None)
+    idx.apply_batch(A, batch(engine_event(TOKENS, VLLM_DEFAULT)[0]))
+    assert idx.schemes()[A] == (str(VLLM_DEFAULT), BS)
+    assert idx.score(TOKENS)[A].num_blocks == 6
+    idx.check_integrity()
 
 
 ops = st.lists(

@@ -83,7 +83,7 @@ def cluster() -> Iterator[tuple[list[Engine], Router, str]]:
     engines = [Engine(), Engine()]
     for e in engines:
         e.start()
-    router = Router([e.instance for e in engines], BlockIndex(16), load_tokenizer("tiny"))
+    router = Router([e.instance for e in engines], BlockIndex(), load_tokenizer("tiny"))
     runner = web.AppRunner(make_app(router))
     loop = asyncio.new_event_loop()
     port = free_port()
@@ -118,8 +118,8 @@ def test_repeated_prompt_follows_its_cache_and_cold_prompt_avoids_load(
     tokens = router.tokenizer.encode(LONG + "one")
     wait_for(
         lambda: (
-            router.scores(tokens)[0].get(where) is not None
-            and router.scores(tokens)[0][where].num_blocks > 0
+            router.scores(tokens).get(where) is not None
+            and router.scores(tokens)[where].num_blocks > 0
         )
     )
     again, where2 = post(url, {"prompt": LONG + "two", "max_tokens": 4})

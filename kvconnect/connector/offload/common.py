@@ -113,6 +113,8 @@ class ChunkInfo:
     parent_block_hash: ExternalBlockHash | None
     token_ids: tuple[int, ...]
     block_size: int
+    extra_keys: tuple[tuple[Any, ...] | None, ...] | None = None
+    """Per block, the extra keys events carry (untagged); None when no block has any."""
 
 
 @dataclass

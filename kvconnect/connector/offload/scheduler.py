@@ -36,7 +36,7 @@ from kvconnect.connector.offload.common import (
 from kvconnect.connector.offload.lookup import PrefixLookup
 from kvconnect.connector.offload.tiers import TierPlacement, create_tier, tier_class
 from kvconnect.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
-from kvconnect.hashing import to_wire
+from kvconnect.hashing import request_extra_keys, to_event, to_wire
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +47,7 @@ class _Tracked:
 
     token_ids: list[int]
     block_hashes: list[bytes]
+    cache_salt: str | None = None
     next_chunk: int = 0
 
 
@@ -69,17 +70,25 @@ class OffloadScheduler:
         self._ready: list[KVCacheEvent] = []
         self._reset = False
 
-    def chunk_info(self, token_ids: list[int], block_hashes: list[bytes], i: int) -> ChunkInfo:
+    def chunk_info(
+        self, token_ids: list[int], block_hashes: list[bytes], i: int, cache_salt: str | None
+    ) -> ChunkInfo:
+        """Chunk i of a request, described as its KV events will describe it."""
         per = self.config.blocks_per_chunk
         hashes = block_hashes[i * per : (i + 1) * per]
         parent = to_wire(block_hashes[i * per - 1]) if i else None
         c = self.config.chunk_size
+        keys = tuple(
+            to_event(request_extra_keys(b, cache_salt=cache_salt))
+            for b in range(i * per, (i + 1) * per)
+        )
         return ChunkInfo(
             hashes[-1],
             tuple(to_wire(h) for h in hashes),
             parent,
             tuple(token_ids[i * c : (i + 1) * c]),
             self.context.block_size,
+            keys if any(k is not None for k in keys) else None,
         )
 
     # -- loads ---------------------------------------------------------------------------------
@@ -128,7 +137,12 @@ class OffloadScheduler:
         spec = LoadSpec(request.request_id, [], [], [])
         for i in range(start // c, num):
             spec.chunks.append(
-                self.chunk_info(list(request.all_token_ids), list(request.block_hashes), i)
+                self.chunk_info(
+                    list(request.all_token_ids),
+                    list(request.block_hashes),
+                    i,
+                    request.cache_salt,
+                )
             )
             spec.block_ids.append(list(block_ids[i * per : (i + 1) * per]))
             spec.first_block.append(max(0, start - i * c) // bs)
@@ -141,7 +155,7 @@ class OffloadScheduler:
         self._loads, self._reset = [], False
         for new in scheduler_output.scheduled_new_reqs:
             self._tracked[new.request_id] = _Tracked(
-                list(new.all_token_ids), list(new.block_hashes)
+                list(new.all_token_ids), list(new.block_hashes), new.cache_salt
             )
         c, per = self.config.chunk_size, self.config.blocks_per_chunk
         for s in scheduler_output.scheduled:
@@ -152,7 +166,9 @@ class OffloadScheduler:
             limit = min(computed, len(tracked.block_hashes) * self.context.block_size)
             while (tracked.next_chunk + 1) * c <= limit:
                 i = tracked.next_chunk
-                info = self.chunk_info(tracked.token_ids, tracked.block_hashes, i)
+                info = self.chunk_info(
+                    tracked.token_ids, tracked.block_hashes, i, tracked.cache_salt
+                )
                 meta.saves.append(SaveSpec(info, list(s.block_ids[i * per : (i + 1) * per])))
                 tracked.next_chunk += 1
         return meta

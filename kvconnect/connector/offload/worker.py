@@ -40,6 +40,8 @@ logger = logging.getLogger(__name__)
 
 
 def stored_event(info: ChunkInfo, medium: str) -> BlockStored:
+    """A chunk in a tier, described in full (tokens, parent, extra keys), as the engine's own
+    events describe its blocks, so a router can check and use it on its own."""
     return BlockStored(
         list(info.block_hashes),
         info.parent_block_hash,
@@ -48,11 +50,17 @@ def stored_event(info: ChunkInfo, medium: str) -> BlockStored:
         None,
         medium,
         None,
+        extra_keys=list(info.extra_keys or [None] * len(info.block_hashes)),
+        group_idx=GROUP_IDX,
+        kv_cache_spec_kind=SPEC_KIND,
     )
 
 
 def removed_event(info: ChunkInfo, medium: str) -> BlockRemoved:
-    return BlockRemoved(list(info.block_hashes), medium)
+    return BlockRemoved(list(info.block_hashes), medium, group_idx=GROUP_IDX)
+
+
+GROUP_IDX, SPEC_KIND = 0, "full_attention"  # a model with one kind of attention layer
 
 
 class OffloadWorker:

@@ -98,6 +98,7 @@ class Req:
         self.request_id, self.all_token_ids = rid, tokens
         self.block_hashes = block_hashes(tokens, BS)
         self.kv_transfer_params = None
+        self.cache_salt = None
 
 
 def held_by_events(events: list[Any]) -> dict[str, Counter[int | bytes]]:

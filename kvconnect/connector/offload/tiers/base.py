@@ -16,7 +16,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Self
+from typing import Any, Self
 
 import msgspec
 import numpy as np
@@ -104,6 +104,7 @@ class _Header(msgspec.Struct, array_like=True):
     dtype: str
     shape: list[int]
     checksum: int
+    extra_keys: list[Any] | None = None
 
 
 _encode = msgspec.msgpack.Encoder().encode
@@ -124,6 +125,7 @@ def pack(key: str, info: ChunkInfo, data: torch.Tensor) -> list[bytes | memoryvi
             str(data.dtype).removeprefix("torch."),
             list(data.shape),
             xxhash.xxh3_64_intdigest(payload),
+            None if info.extra_keys is None else list(info.extra_keys),
         )
     )
     return [len(header).to_bytes(4, "big"), header, payload]
@@ -165,5 +167,15 @@ def unpack(
         h.parent_block_hash,
         tuple(h.token_ids),
         h.block_size,
+        None if h.extra_keys is None else tuple(_keys(k) for k in h.extra_keys),
     )
     return info, data
+
+
+def _keys(block_keys: Any) -> tuple[Any, ...] | None:
+    """One block's extra keys as stored (a list, or null) back to the tuple it was."""
+    if block_keys is None:
+        return None
+    if not isinstance(block_keys, list):
+        raise TierError(f"extra keys {block_keys!r} are not a list")
+    return tuple(block_keys)
