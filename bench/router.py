@@ -4,6 +4,10 @@ Prints one line:
 - index events applied per second (BlockStored/BlockRemoved of 16 blocks each), beside a bare
   dict-count loop over the same hashes (the limit);
 - lookup latency for an 8,192-token prompt: hashing its 512 blocks, then scoring them;
+- hashing cost per 1,000 tokens for each of vLLM's algorithms, beside bare hashlib.sha256 over
+  the very bytes it hashes (the serialisations made beforehand: the limit);
+- the index apply rate for an instance the router keys by its own chain over token ids (its
+  seed is not reproducible) beside one keyed by its engine hashes;
 - a multi-tenant workload (8 tenants, 1,024-token system prompts, 64-token user turns, Poisson
   arrivals) over 4 instances: prefix hit rate and TTFT p50/p90 for KV-aware routing (the real
   BlockIndex fed by the instances' real block-pool events, the real scorer), round-robin, and an
@@ -16,6 +20,9 @@ times the tiny model's per-token prefill cost, measured at the start of this run
 
 from __future__ import annotations
 
+import hashlib
+import logging
+import pickle
 import random
 import statistics
 import time
@@ -26,7 +33,9 @@ from kvconnect.engine.block_pool import BlockPool
 from kvconnect.engine.kv_cache_manager import KVCacheManager
 from kvconnect.engine.request import Request, SamplingParams
 from kvconnect.events import BlockRemoved, BlockStored, KVEventBatch
+from kvconnect.hashing import ALGORITHMS, block_hashes, seed_hash, to_wire
 from kvconnect.router.index import BlockIndex, PrefixScore
+from kvconnect.router.schemes import HashScheme
 from kvconnect.router.scorer import choose
 
 BS = 16
@@ -79,6 +88,60 @@ def index_rate() -> tuple[float, float]:
                 counts[h] += delta  # type: ignore[index]
     bare = num_events / (time.perf_counter() - t0)
     return ours, bare
+
+
+def hashing_costs() -> tuple[dict[str, float], float]:
+    """us per 1,000 tokens at block size 16, per algorithm; and bare sha256 of the pickles."""
+    tokens = [random.Random(2).randrange(49152) for _ in range(8192)]
+    per_k = len(tokens) / 1000
+    out = {}
+    for algorithm in ALGORITHMS:
+        scheme = HashScheme(algorithm, "0")
+        best = min(_timed(lambda s=scheme: s.wire_hashes(tokens, BS)) for _ in range(5))
+        out[algorithm] = best / per_k * 1e6
+    # The limit: SHA-256 of the same pickled (parent, tokens, None) tuples, made beforehand.
+    parents = block_hashes(tokens, BS, algorithm="sha256", seed="0")
+    blobs = [
+        pickle.dumps(
+            (
+                parents[i - 1] if i else seed_hash("sha256", "0"),
+                tuple(tokens[i * BS : (i + 1) * BS]),
+                None,
+            ),
+            protocol=pickle.HIGHEST_PROTOCOL,
+        )
+        for i in range(len(parents))
+    ]
+    bare = min(_timed(lambda: [hashlib.sha256(b).digest() for b in blobs]) for _ in range(5))
+    return out, bare / per_k * 1e6
+
+
+def _timed(fn: Callable[[], object]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def keyed_apply_rates() -> tuple[float, float]:
+    """Events/s applied for a stream of prefix-chained BlockStored/BlockRemoved with token ids:
+    (keyed by engine hashes, keyed by the router's own chain)."""
+    rng = random.Random(3)
+    rates = []
+    for scheme in (HashScheme("sha256", "vllm-none-hash"), HashScheme("xxhash", "private")):
+        batches = []
+        for _ in range(500):
+            tokens = [rng.randrange(49152) for _ in range(8 * BS)]
+            raw = block_hashes(tokens, BS, algorithm=scheme.algorithm, seed=scheme.seed)
+            wire = [to_wire(h) for h in raw]
+            stored = BlockStored(wire, None, tokens, BS, None, "GPU", None, extra_keys=[None] * 8)
+            batches.append(KVEventBatch(0.0, [stored, BlockRemoved(wire[4:], "GPU")], 0))
+        index = BlockIndex()
+        t0 = time.perf_counter()
+        for b in batches:
+            index.apply_batch("http://x:1", b)
+        rates.append(2 * len(batches) / (time.perf_counter() - t0))
+        assert ("router-keyed" in index.schemes()["http://x:1"][0]) == (scheme.seed == "private")
+    return rates[0], rates[1]
 
 
 def lookup_latency() -> tuple[float, float]:
@@ -176,9 +239,12 @@ def simulate(policy_name: str, sec_per_token: float) -> tuple[float, float, floa
 
 
 def main() -> None:
+    logging.disable(logging.WARNING)  # the router-keyed stream is expected, not news
     spt = prefill_seconds_per_token()
     ours, bare = index_rate()
     hashing, scoring = lookup_latency()
+    costs, bare_sha = hashing_costs()
+    engine_keyed, router_keyed = keyed_apply_rates()
     parts = []
     for name in ("kv-aware", "round-robin", "oracle"):
         hit, p50, p90 = simulate(name, spt)
@@ -186,6 +252,11 @@ def main() -> None:
     print(
         f"router: index {ours / 1e6:.2f}M events/s (bare dict count {bare / 1e6:.2f}M); "
         f"8192-token lookup {hashing * 1000:.2f} ms hashing + {scoring * 1e6:.0f} us scoring; "
+        "hashing us/1k tokens: "
+        + " ".join(f"{a} {us:.0f}" for a, us in costs.items())
+        + f" (bare hashlib.sha256 of the same bytes {bare_sha:.0f}); "
+        f"apply with token ids: engine-keyed {engine_keyed / 1e3:.0f}k ev/s, "
+        f"router-keyed {router_keyed / 1e3:.0f}k ev/s; "
         f"4 instances, 8 tenants: " + "; ".join(parts)
     )
 

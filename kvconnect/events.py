@@ -154,24 +154,15 @@ _legacy_decoder = msgspec.msgpack.Decoder(_LegacyBatch)
 _any_decoder = msgspec.msgpack.Decoder()
 
 
-class _BatchWithoutRank(msgspec.Struct, array_like=True, gc=False):
-    ts: float
-    events: list[KVEvent]
-
-
 def encode_batch(batch: KVEventBatch, legacy: bool = False) -> bytes:
     """msgpack bytes of `batch`: map-form events, or positional arrays when `legacy`.
 
-    As in vLLM, a batch whose `data_parallel_rank` is None has two elements, not three.
+    As vLLM's (msgspec writes every element of an array-like struct), a batch whose
+    `data_parallel_rank` is None still has three elements, the last one nil.
     """
     if legacy:
         events = [_legacy_event(e) for e in batch.events]
-        head: list[Any] = [batch.ts, events]
-        if batch.data_parallel_rank is not None:
-            head.append(batch.data_parallel_rank)
-        return _encoder.encode(head)
-    if batch.data_parallel_rank is None:
-        return _encoder.encode(_BatchWithoutRank(batch.ts, batch.events))
+        return _encoder.encode([batch.ts, events, batch.data_parallel_rank])
     return _encoder.encode(batch)
 
 

