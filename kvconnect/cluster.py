@@ -3,7 +3,8 @@ loopback; shows progress while they start, sends a short demo workload through t
 serves until Ctrl-C and stops everything it started.
 
     instance i   http://127.0.0.1:(base_port + 1 + i)   events tcp://127.0.0.1:(event_port + 2i)
-                 tiny model, OffloadConnector with a CPU tier (and the Redis tier, if asked)
+                 the model (SmolLM2 by default), OffloadConnector with a CPU tier (and the
+                 Redis tier, if asked)
     router       http://127.0.0.1:base_port
 """
 
@@ -64,7 +65,7 @@ def instance_command(i: int, args: argparse.Namespace, redis_url: str | None) ->
         "kvconnect.cli",
         "serve",
         "--model",
-        "tiny",
+        args.model,
         "--tp",
         str(args.tp),
         "--port",
@@ -145,7 +146,7 @@ def run_cluster(args: argparse.Namespace, out: TextIO) -> int:
                 file=out,
                 flush=True,
             )
-        router = Router(instances, BlockIndex(), load_tokenizer("tiny"))
+        router = Router(instances, BlockIndex(), load_tokenizer(args.model))
         router_url = f"http://127.0.0.1:{args.base_port}"
         runner = web.AppRunner(make_app(router))
         loop = asyncio.new_event_loop()

@@ -34,6 +34,8 @@ def test_idle_engine_publishes_background_stores_without_more_traffic(tmp_path: 
             "-m",
             "kvconnect.cli",
             "serve",
+            "--model",
+            "tiny",
             "--port",
             str(port),
             "--kv-events-config",

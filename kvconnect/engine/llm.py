@@ -1,8 +1,8 @@
 """`LLM`: the engine behind one call, as vLLM's offline API.
 
-    llm = LLM(model="tiny", tensor_parallel_size=2,
-              kv_events_config='{"enable_kv_cache_events": true}')
+    llm = LLM(model="smollm2", kv_events_config='{"enable_kv_cache_events": true}')
     outs = llm.generate(["Hello"], SamplingParams(max_tokens=8))
+    reply = llm.chat([{"role": "user", "content": "What is the capital of France?"}])
     llm.shutdown()
 
 The scheduler (block pool, scheduler-role connector, event publisher) lives in this process;
@@ -27,6 +27,7 @@ from kvconnect.engine.worker import WorkerConfig
 from kvconnect.hashing import DEFAULT_ALGORITHM
 from kvconnect.model.loader import load_model_info
 from kvconnect.publisher import EventPublisher, EventPublisherFactory
+from kvconnect.tokenizer import Message
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +49,7 @@ def as_config(cls: type[C], value: C | Mapping[str, Any] | str | None) -> C | No
 class LLM:
     def __init__(
         self,
-        model: str = "tiny",
+        model: str,
         tensor_parallel_size: int = 1,
         block_size: int = 16,
         enable_prefix_caching: bool = True,
@@ -193,6 +194,25 @@ class LLM:
         while self.scheduler.has_pending_transfers and time.monotonic() < deadline:
             self.step()  # let async saves finish, so their blocks come back
         return [self._output(r, p) for r, p in zip(requests, batch, strict=True)]
+
+    def chat(
+        self,
+        messages: Sequence[Message] | Sequence[Sequence[Message]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of {"role", "content"} messages) or
+        to several, each rendered with the model's chat template; generation stops at the
+        model's end-of-sequence token (for SmolLM2, `<|im_end|>`)."""
+        if messages and isinstance(messages[0], Mapping):
+            conversations = [messages]
+        else:
+            conversations = list(messages)  # type: ignore[arg-type]
+        prompts: list[Prompt] = [
+            self.tokenizer.apply_chat_template(c, add_generation_prompt)  # type: ignore[arg-type]
+            for c in conversations
+        ]
+        return self.generate(prompts, sampling_params)
 
     def _output(self, req: Request, prompt: Prompt) -> RequestOutput:
         return RequestOutput(

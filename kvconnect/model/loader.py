@@ -1,7 +1,6 @@
-"""Building a rank's model shard: the built-in `tiny` model or a local Hugging Face checkpoint.
-
-A checkpoint directory holds config.json, *.safetensors and tokenizer.json (Llama or Qwen2).
-Each rank reads only its slice of each sharded tensor:
+"""Building a rank's model shard: the built-in `tiny` model, a GGUF file (`smollm2` is one,
+see `model/gguf.py`) or a Hugging Face checkpoint (config.json, *.safetensors, tokenizer.json;
+Llama or Qwen2). Each rank keeps only its slice of each sharded tensor:
 
     q/k/v_proj (+bias), gate/up_proj   rows     [rank * n/tp, (rank+1) * n/tp)
     o_proj, down_proj                   columns  [rank * n/tp, (rank+1) * n/tp)
@@ -18,7 +17,9 @@ from typing import Any
 import torch
 
 from kvconnect.model.config import TINY, ModelConfig
+from kvconnect.model.gguf import GGUFWeights
 from kvconnect.model.llama import LlamaForCausalLM
+from kvconnect.model_source import ModelKind, gguf_metadata, gguf_tensor_names, resolve_model
 from kvconnect.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 
 _ROW_SHARDED = (
@@ -89,40 +90,49 @@ def _fill(
 def load_model(
     model: str, rank: int = 0, tp: int = 1, dtype: str = "float32", seed: int = 0
 ) -> tuple[LlamaForCausalLM, Tokenizer]:
-    """Rank `rank`'s shard of `model` ("tiny" or a checkpoint directory) and its tokenizer."""
+    """Rank `rank`'s shard of `model` ("tiny", "smollm2", a .gguf file or a checkpoint
+    directory, see `model_source`) and its tokenizer."""
     torch_dtype = _resolve_dtype(dtype)
-    if model == "tiny":
+    config, tokenizer = load_model_info(model)
+    config.check_tensor_parallel(tp)
+    llm = LlamaForCausalLM(config, tp)
+    source = resolve_model(model)
+    if source.kind is ModelKind.TINY:
         full = tiny_state_dict(TINY, seed)
-        llm = LlamaForCausalLM(TINY, tp)
 
         def read_tiny(name: str, dim: int | None, r: int, n: int) -> torch.Tensor:
             t = full[name]
             return t if dim is None else t.chunk(n, dim)[r]
 
         _fill(llm, read_tiny, rank, tp)
-        return llm.to(torch_dtype).eval(), ByteTokenizer()
-    return load_checkpoint(Path(model), rank, tp, torch_dtype)
+    elif source.kind is ModelKind.GGUF:
+        assert source.path is not None
+        _fill(llm, GGUFWeights(source.path, config).read, rank, tp)
+    else:
+        assert source.path is not None
+        _fill(llm, _safetensors_reader(source.path, config), rank, tp)
+    return llm.to(torch_dtype).eval(), tokenizer
 
 
 def load_model_info(model: str) -> tuple[ModelConfig, Tokenizer]:
     """The model's config and tokenizer without its weights (for the scheduler process)."""
-    if model == "tiny":
+    source = resolve_model(model)
+    if source.kind is ModelKind.TINY:
         return TINY, ByteTokenizer()
-    path = Path(model)
-    if not (path / "config.json").is_file():
-        raise ValueError(f"model {model!r}: not 'tiny' and no config.json in that directory")
-    config = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
+    assert source.path is not None
+    if source.kind is ModelKind.GGUF:
+        has_head = "output.weight" in gguf_tensor_names(source.path)
+        config = ModelConfig.from_gguf(gguf_metadata(source.path), has_head)
+    else:
+        config = ModelConfig.from_hf(json.loads((source.path / "config.json").read_text()))
     return config, load_tokenizer(model, config.eos_token_id)
 
 
-def load_checkpoint(
-    path: Path, rank: int, tp: int, dtype: torch.dtype
-) -> tuple[LlamaForCausalLM, Tokenizer]:
+def _safetensors_reader(
+    path: Path, config: ModelConfig
+) -> Callable[[str, int | None, int, int], torch.Tensor]:
     from safetensors import safe_open
 
-    if not (path / "config.json").is_file():
-        raise ValueError(f"model {str(path)!r}: not 'tiny' and no config.json in that directory")
-    config = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ValueError(f"model {str(path)!r}: no *.safetensors files")
@@ -148,7 +158,4 @@ def load_checkpoint(
         tensor: torch.Tensor = sliced[index]
         return tensor
 
-    llm = LlamaForCausalLM(config, tp)
-    _fill(llm, read, rank, tp)
-    _, tokenizer = load_model_info(str(path))
-    return llm.to(dtype).eval(), tokenizer
+    return read

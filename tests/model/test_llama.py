@@ -147,7 +147,16 @@ def test_bad_checkpoints_are_clear_errors(tmp_path: Path) -> None:
         load_model(str(tmp_path))
     del llama["rope_scaling"]
     (tmp_path / "config.json").write_text(json.dumps(llama))
+    with pytest.raises(ValueError, match=r"no tokenizer\.json"):
+        load_model(str(tmp_path))
+    Tokenizer(models.WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]")).save(
+        str(tmp_path / "tokenizer.json")
+    )
     with pytest.raises(ValueError, match="safetensors"):
+        load_model(str(tmp_path))
+    llama["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}
+    (tmp_path / "config.json").write_text(json.dumps(llama))
+    with pytest.raises(ValueError, match="rope_parameters"):
         load_model(str(tmp_path))
     with pytest.raises(ValueError, match="dtype"):
         load_model("tiny", dtype="int8")

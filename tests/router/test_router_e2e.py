@@ -46,6 +46,8 @@ class Engine:
                 "-m",
                 "kvconnect.cli",
                 "serve",
+                "--model",
+                "tiny",
                 "--port",
                 str(self.port),
                 "--kv-events-config",

