@@ -93,17 +93,20 @@ def paged_attention(
     bs = meta.block_size
     for n, ctx, table in zip(meta.query_lens, meta.context_lens, meta.block_tables, strict=True):
         blocks = torch.tensor(table[: (ctx + bs - 1) // bs], dtype=torch.long)
-        k = kv_cache[0, blocks].flatten(0, 1)[:ctx]  # [ctx, kv_heads, d]
-        v = kv_cache[1, blocks].flatten(0, 1)[:ctx]
-        qi = q[start : start + n].transpose(0, 1)  # [heads, n, d]
-        mask = None
-        if n > 1:
+        # [1, heads, len, d]: with a batch dimension CPU torch picks its flash kernel (5x
+        # faster here than the math path it takes for 3-D inputs).
+        k = kv_cache[0, blocks].flatten(0, 1)[:ctx].transpose(0, 1).unsqueeze(0)
+        v = kv_cache[1, blocks].flatten(0, 1)[:ctx].transpose(0, 1).unsqueeze(0)
+        qi = q[start : start + n].transpose(0, 1).unsqueeze(0)
+        if n == ctx:  # a whole prompt: plain causal
+            o = F.scaled_dot_product_attention(qi, k, v, is_causal=True, enable_gqa=True)
+        elif n == 1:  # decode: the last position sees everything
+            o = F.scaled_dot_product_attention(qi, k, v, enable_gqa=True)
+        else:  # a later chunk: causal, aligned to the end of the context
             q_pos = torch.arange(ctx - n, ctx)[:, None]
             mask = torch.arange(ctx)[None, :] <= q_pos  # [n, ctx]
-        o = F.scaled_dot_product_attention(
-            qi, k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, enable_gqa=True
-        )
-        out[start : start + n] = o.transpose(0, 1)
+            o = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, enable_gqa=True)
+        out[start : start + n] = o[0].transpose(0, 1)
         start += n
     return out
 
