@@ -2,9 +2,9 @@
 loopback; shows progress while they start, sends a short demo workload through the router, then
 serves until Ctrl-C and stops everything it started.
 
-    instance i   http://127.0.0.1:(base_port + 1 + i)   events tcp://127.0.0.1:(event_port + 2i)
-                 the model (SmolLM2 by default), OffloadConnector with a CPU tier (and the
-                 Redis tier, if asked)
+    instance i   http://127.0.0.1:(base_port + 1 + i), events and replay derived from that
+                 port (+10000, +20000); the model (SmolLM2 by default), OffloadConnector with
+                 a CPU tier (and the Redis tier, if asked); its log in a temporary directory
     router       http://127.0.0.1:base_port
 """
 
@@ -13,13 +13,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import random
+import logging
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
+from pathlib import Path
 from typing import TextIO
 
 from kvconnect.redis_server import LocalRedis
@@ -28,11 +30,11 @@ from kvconnect.router.server import Instance, Router, make_app
 from kvconnect.tokenizer import load_tokenizer
 
 
-def wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout: float) -> None:
+def wait_healthy(url: str, proc: subprocess.Popen[bytes] | None, timeout: float) -> None:
     """Return once `url`/health answers 200; `RuntimeError` if `proc` exits or time runs out."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if proc.poll() is not None:
+        if proc is not None and proc.poll() is not None:
             raise RuntimeError(f"{url} exited with code {proc.returncode} while starting")
         try:
             with urllib.request.urlopen(url + "/health", timeout=1) as r:
@@ -52,13 +54,6 @@ def instance_command(i: int, args: argparse.Namespace, redis_url: str | None) ->
         "kv_role": "kv_both",
         "kv_connector_extra_config": {"chunk_size": 64, "tiers": tiers},
     }
-    ev_port = args.event_port + 2 * i
-    events = {
-        "enable_kv_cache_events": True,
-        "endpoint": f"tcp://127.0.0.1:{ev_port}",
-        "replay_endpoint": f"tcp://127.0.0.1:{ev_port + 1}",
-        "bind": True,  # a loopback address is connected to by vLLM's rule; bind it here
-    }
     return [
         sys.executable,
         "-m",
@@ -72,36 +67,51 @@ def instance_command(i: int, args: argparse.Namespace, redis_url: str | None) ->
         str(args.base_port + 1 + i),
         "--kv-transfer-config",
         json.dumps(transfer),
+        # Events on, their addresses derived from the HTTP port (see startup.py).
         "--kv-events-config",
-        json.dumps(events),
+        json.dumps({"enable_kv_cache_events": True}),
     ]
 
 
+TENANTS = {
+    "acme": (
+        "You are the support assistant of Acme Rockets. Acme sells model rockets, launch pads "
+        "and engines. Orders ship within two days. Refunds are possible within thirty days. "
+        "Answer in one short sentence.",
+        ["How long does shipping take?", "Can I get a refund?", "What do you sell?"],
+    ),
+    "globex": (
+        "You are the assistant of Globex Travel. Globex books trains across Europe. Tickets "
+        "can be changed until one hour before departure. Answer in one short sentence.",
+        ["Can I change my ticket?", "What do you book?", "Until when can I change a ticket?"],
+    ),
+}
+
+
 def demo(router_url: str, out: TextIO, rounds: int = 3) -> None:
-    """Two tenants with their own long system prompts, a few user turns each."""
-    rng = random.Random(0)
-    tenants = {
-        name: f"You are {name}'s assistant. " + "Policy text. " * 30 for name in ("acme", "globex")
-    }
+    """Two tenants with their own system prompts, a few user questions each, as chats."""
     for r in range(rounds):
-        for name, system in tenants.items():
-            prompt = system + f"Question {r}-{rng.randrange(1000)}?"
-            body = json.dumps({"prompt": prompt, "max_tokens": 8}).encode()
+        for name, (system, questions) in TENANTS.items():
+            messages = [
+                {"role": "system", "content": system},
+                {"role": "user", "content": questions[r % len(questions)]},
+            ]
+            body = {"messages": messages, "max_tokens": 24, "temperature": 0}
             req = urllib.request.Request(
-                router_url + "/v1/completions",
-                data=body,
+                router_url + "/v1/chat/completions",
+                data=json.dumps(body).encode(),
                 headers={"Content-Type": "application/json"},
             )
             t0 = time.monotonic()
-            with urllib.request.urlopen(req, timeout=60) as resp:
+            with urllib.request.urlopen(req, timeout=120) as resp:
                 answer = json.load(resp)
                 where = resp.headers["x-kvconnect-instance"]
-            kv = answer.get("kv_cache", {})
+            usage = answer["usage"]
+            cached = usage["prompt_tokens_details"]["cached_tokens"]
+            text = answer["choices"][0]["message"]["content"].replace("\n", " ")
             print(
-                f"  {name:7s} round {r}: -> {where}  {kv.get('num_cached_tokens', 0):4d} "
-                f"cached + {kv.get('num_external_tokens', 0):4d} loaded of "
-                f"{answer['usage']['prompt_tokens']} prompt tokens, "
-                f"{(time.monotonic() - t0) * 1000:.0f} ms",
+                f"  {name:7s} round {r}: -> {where}  {cached:3d}/{usage['prompt_tokens']} "
+                f"prompt tokens cached, {(time.monotonic() - t0) * 1000:5.0f} ms  {text!r}",
                 file=out,
                 flush=True,
             )
@@ -110,9 +120,17 @@ def demo(router_url: str, out: TextIO, rounds: int = 3) -> None:
 def run_cluster(args: argparse.Namespace, out: TextIO) -> int:
     from aiohttp import web
 
+    from kvconnect.startup import EVENTS_PORT_OFFSET, REPLAY_PORT_OFFSET, check_port_free
+
     procs: list[subprocess.Popen[bytes]] = []
+    router_loop: asyncio.AbstractEventLoop | None = None
+    runner: web.AppRunner | None = None
+    if args.log_level != "debug":  # the demo's lines, not the router's access log
+        logging.getLogger("kvconnect.access").setLevel(logging.WARNING)
     redis_url = None
     local_redis: LocalRedis | None = None
+    logs = tempfile.mkdtemp(prefix="kvconnect-cluster-")
+    check_port_free("127.0.0.1", args.base_port, "--base-port (the router)")
     try:
         if args.redis:
             local_redis = LocalRedis()
@@ -120,26 +138,33 @@ def run_cluster(args: argparse.Namespace, out: TextIO) -> int:
             print(f"# redis on {redis_url}", file=out, flush=True)
         instances = []
         for i in range(args.instances):
+            http_port = args.base_port + 1 + i
+            log = open(f"{logs}/instance-{i}.log", "wb")  # noqa: SIM115 - kept by the child
             # Own sessions: a terminal's Ctrl-C reaches only this process, which then stops
             # each instance once.
             procs.append(
                 subprocess.Popen(
                     instance_command(i, args, redis_url),
-                    stdout=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
                     start_new_session=True,
                 )
             )
-            port = args.event_port + 2 * i
             instances.append(
                 Instance(
-                    f"http://127.0.0.1:{args.base_port + 1 + i}",
-                    f"tcp://127.0.0.1:{port}",
-                    f"tcp://127.0.0.1:{port + 1}",
+                    f"http://127.0.0.1:{http_port}",
+                    f"tcp://127.0.0.1:{http_port + EVENTS_PORT_OFFSET}",
+                    f"tcp://127.0.0.1:{http_port + REPLAY_PORT_OFFSET}",
                 )
             )
+        print(f"# {args.instances} instances of {args.model} starting; logs in {logs}", file=out)
         start = time.monotonic()
-        for n, (inst, proc) in enumerate(zip(instances, procs[-args.instances :], strict=True)):
-            wait_healthy(inst.url, proc, timeout=120)
+        for n, (inst, proc) in enumerate(zip(instances, procs, strict=True)):
+            try:
+                wait_healthy(inst.url, proc, timeout=180)
+            except RuntimeError as e:
+                tail = Path(f"{logs}/instance-{n}.log").read_text(errors="replace")[-2000:]
+                raise RuntimeError(f"{e}; its log ends:\n{tail}") from None
             print(
                 f"[{n + 1}/{args.instances}] instance {inst.url} ready "
                 f"({time.monotonic() - start:.1f}s), events {inst.events_endpoint}",
@@ -148,19 +173,19 @@ def run_cluster(args: argparse.Namespace, out: TextIO) -> int:
             )
         router = Router(instances, BlockIndex(), load_tokenizer(args.model))
         router_url = f"http://127.0.0.1:{args.base_port}"
-        runner = web.AppRunner(make_app(router))
-        loop = asyncio.new_event_loop()
-        loop.run_until_complete(runner.setup())
-        loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", args.base_port).start())
-        threading.Thread(target=loop.run_forever, daemon=True).start()
+        runner = web.AppRunner(make_app(router), access_log=None)
+        router_loop = asyncio.new_event_loop()
+        router_loop.run_until_complete(runner.setup())
+        router_loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", args.base_port).start())
+        threading.Thread(target=router_loop.run_forever, daemon=True).start()
+        wait_healthy(router_url, None, timeout=30)
         print(f"# router on {router_url} (metrics at {router_url}/metrics)", file=out, flush=True)
         if args.demo_rounds:
-            time.sleep(0.5)
             demo(router_url, out, args.demo_rounds)
             with urllib.request.urlopen(router_url + "/metrics") as r:
-                wanted = ("decisions", "hit_blocks", "index_entries", "events_applied")
+                wanted = ("decisions_total", "hit_blocks_total", "index_entries ")
                 for line in r.read().decode().splitlines():
-                    if any(w in line for w in wanted):
+                    if any(w in line for w in wanted) and not line.startswith("#"):
                         print(f"  {line}", file=out)
         if not args.exit_after_demo:
             print("# serving; Ctrl-C stops the cluster", file=out, flush=True)
@@ -172,6 +197,9 @@ def run_cluster(args: argparse.Namespace, out: TextIO) -> int:
                 print("# stopping", file=out, flush=True)
         return 0
     finally:
+        if router_loop is not None and runner is not None:  # the router first: no alarms
+            asyncio.run_coroutine_threadsafe(runner.cleanup(), router_loop).result(timeout=10)
+            router_loop.call_soon_threadsafe(router_loop.stop)
         for p in procs:
             if p.poll() is None:
                 p.send_signal(signal.SIGINT)

@@ -107,6 +107,8 @@ class ScheduledRequest:
     sample: bool = False
     """The step reaches the request's last token: sample the next one."""
     temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
     seed: int = 0
     num_output_tokens: int = 0
 

@@ -402,16 +402,19 @@ class EventPublisherFactory:
         return sorted(cls._registry)
 
     @classmethod
+    def check_known(cls, config: KVEventsConfig) -> None:
+        """ValueError unless the publisher `config` names is registered (or events are off)."""
+        if config.enable_kv_cache_events and config.publisher not in cls._registry:
+            known = ", ".join(cls.known_publishers())
+            raise ValueError(f"unknown event publisher {config.publisher!r}; known: {known}")
+
+    @classmethod
     def create(cls, config: KVEventsConfig | None, data_parallel_rank: int = 0) -> EventPublisher:
         """The configured publisher; a null one when events are off. `config` is not changed."""
         if config is None or not config.enable_kv_cache_events or config.publisher == "null":
             return NullEventPublisher(data_parallel_rank)
-        name = config.publisher
-        assert name is not None  # resolved by KVEventsConfig
-        ctor = cls._registry.get(name)
-        if ctor is None:
-            known = ", ".join(cls.known_publishers())
-            raise ValueError(f"unknown event publisher {name!r}; known: {known}")
+        cls.check_known(config)
+        ctor = cls._registry[config.publisher or ""]
         skip = ("publisher", "enable_kv_cache_events")
         kwargs = {f.name: getattr(config, f.name) for f in fields(config) if f.name not in skip}
         return ctor(data_parallel_rank=data_parallel_rank, **kwargs)

@@ -1,270 +1,378 @@
 """`kvconnect serve`: one engine instance behind an OpenAI-compatible HTTP API.
 
-    POST /v1/completions   {"prompt": str | [int], "max_tokens", "temperature", "seed",
-                            "stream", "ignore_eos"}; streams server-sent events when asked
-    GET  /health           200 when the engine runs
-    GET  /metrics          Prometheus text: requests, tokens, cache hits per tier, events
+    POST /v1/completions        prompt (a string, strings, token ids, lists of token ids), n,
+                                stop, stop_token_ids, max_tokens, temperature, top_p, top_k,
+                                seed, stream (+ stream_options.include_usage), cache_salt
+    POST /v1/chat/completions   messages rendered with the model's chat template; the same
+                                sampling fields; streamed as deltas when asked
+    GET  /v1/models             the one model served
+    GET  /health                200 while the engine runs, 503 once it failed
+    GET  /metrics               Prometheus (see serve_metrics.py)
 
-The engine (`LLM`) is single-threaded: one thread owns it, takes new requests from a queue,
-steps while there is work, and hands each request's new tokens to its HTTP handler through the
-event loop. Binds 127.0.0.1 unless told otherwise.
+Every request is validated (`api/protocol.py`) and checked against the engine's limits before
+it reaches the engine; a bad one is a 400 in OpenAI's error body. The engine runs on its own
+thread (`engine_loop.py`); when it fails the server answers 503, logs one line and exits with
+status 1, so that a supervisor restarts it. Binds 127.0.0.1 unless told otherwise; one access
+log line per request.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
+import contextlib
 import logging
-import queue
 import signal
-import threading
 import time
-import uuid
 from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
 
+from kvconnect.api.http import access_and_errors, error_response, read_body
+from kvconnect.api.protocol import (
+    MAX_BODY_BYTES,
+    ApiError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    parse,
+)
+from kvconnect.api.responses import DONE, Envelope, Usage, sse
 from kvconnect.engine.llm import LLM
 from kvconnect.engine.request import Request, SamplingParams
+from kvconnect.engine_loop import EngineLoop, Failed, Job, Update
+from kvconnect.serve_metrics import ServeMetrics
+from kvconnect.tokenizer import ChatTemplateError
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
-class _Pending:
-    prompt: str | list[int]
-    params: SamplingParams
-    loop: asyncio.AbstractEventLoop
-    updates: asyncio.Queue[Any]
-    request: Request | None = None
-    sent: int = 0
+class Prepared:
+    """A validated request turned into engine jobs."""
+
+    prompts: list[list[int]]
+    jobs: list[list[Job]]  # per prompt, its n choices
 
 
-@dataclass
-class ServerMetrics:
-    requests: int = 0
-    prompt_tokens: int = 0
-    generation_tokens: int = 0
-    cached_tokens: int = 0
-    external_tokens: int = 0
-
-
-class EngineLoop:
-    """The thread that owns the LLM."""
-
-    def __init__(self, llm: LLM) -> None:
+class OpenAIServer:
+    def __init__(self, engine: EngineLoop, llm: LLM, model_name: str, metrics: ServeMetrics):
+        self.engine = engine
         self.llm = llm
-        self.metrics = ServerMetrics()
-        self._incoming: queue.SimpleQueue[_Pending | None] = queue.SimpleQueue()
-        self._active: dict[str, _Pending] = {}
-        self._thread = threading.Thread(target=self._run, name="kvconnect-engine", daemon=True)
-        self.error: str | None = None
-        self._thread.start()
+        self.model_name = model_name
+        self.metrics = metrics
 
-    def submit(self, pending: _Pending) -> None:
-        if self.error is not None:
-            raise RuntimeError(self.error)
-        self._incoming.put(pending)
+    # -- preparing ----------------------------------------------------------------------------
 
-    def stop(self) -> None:
-        self._incoming.put(None)
-        self._thread.join(timeout=10)
-
-    def _run(self) -> None:
-        sched = self.llm.scheduler
-        while True:
-            busy = sched.has_unfinished_requests or sched.has_pending_transfers
-            try:  # block only when idle; take every waiting request before the next step
-                item = self._incoming.get_nowait() if busy else self._incoming.get(timeout=0.1)
-            except queue.Empty:
-                # Idle with a connector: step anyway now and then, so that stores finishing in
-                # the background are reported and published without waiting for traffic.
-                if not busy and self.llm.connector is None:
-                    continue
-            else:
-                if item is None:
-                    return
-                self._add(item)
-                continue
-            try:
-                self.llm.step()
-            except Exception as e:  # the engine is gone: fail everyone
-                self.error = f"engine failed: {e}"
-                logger.exception("engine step failed")
-                for p in self._active.values():
-                    p.loop.call_soon_threadsafe(p.updates.put_nowait, ("error", self.error))
-                self._active.clear()
-                return
-            self._push_updates()
-
-    def _add(self, p: _Pending) -> None:
-        try:
-            p.request = self.llm.add_request(p.prompt, p.params, request_id=uuid.uuid4().hex)
-        except ValueError as e:
-            p.loop.call_soon_threadsafe(p.updates.put_nowait, ("invalid", str(e)))
-            return
-        self._active[p.request.request_id] = p
-
-    def _push_updates(self) -> None:
-        tok = self.llm.tokenizer
-        for rid, p in list(self._active.items()):
-            req = p.request
-            assert req is not None
-            if len(req.output_token_ids) > p.sent or req.status.is_finished:
-                new = req.output_token_ids[p.sent :]
-                before = len(tok.decode(req.output_token_ids[: p.sent]))
-                text = tok.decode(req.output_token_ids)[before:]
-                p.sent = len(req.output_token_ids)
-                done = req.status.is_finished
-                msg = ("tokens", new, text, req.status.finish_reason, req)
-                p.loop.call_soon_threadsafe(p.updates.put_nowait, msg)
-                if done:
-                    m = self.metrics
-                    m.requests += 1
-                    m.prompt_tokens += len(req.prompt_token_ids)
-                    m.generation_tokens += len(req.output_token_ids)
-                    m.cached_tokens += req.num_cached_tokens or 0
-                    m.external_tokens += req.num_external_tokens
-                    del self._active[rid]
-
-
-def _params(body: dict[str, Any]) -> SamplingParams:
-    return SamplingParams(
-        max_tokens=int(body.get("max_tokens", 16)),
-        temperature=float(body.get("temperature", 0.0)),
-        seed=body.get("seed"),
-        ignore_eos=bool(body.get("ignore_eos", False)),
-    )
-
-
-def _chunk(
-    rid: str, model: str, text: str, reason: str | None, extra: dict[str, Any]
-) -> dict[str, Any]:
-    return {
-        "id": rid,
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": reason}],
-        **extra,
-    }
-
-
-def _usage(req: Request) -> dict[str, Any]:
-    return {
-        "usage": {
-            "prompt_tokens": len(req.prompt_token_ids),
-            "completion_tokens": len(req.output_token_ids),
-            "total_tokens": len(req.prompt_token_ids) + len(req.output_token_ids),
-        },
-        "kv_cache": {
-            "num_cached_tokens": req.num_cached_tokens or 0,
-            "num_external_tokens": req.num_external_tokens,
-        },
-    }
-
-
-def make_app(engine: EngineLoop, model_name: str) -> web.Application:
-    async def completions(http: web.Request) -> web.StreamResponse:
-        try:
-            body = await http.json()
-            if not isinstance(body, dict) or "prompt" not in body:
-                raise ValueError("the body must be a JSON object with a prompt")
-            prompt = body["prompt"]
-            if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
-                prompt = prompt[0]
-            params = _params(body)
-        except (ValueError, TypeError, json.JSONDecodeError) as e:
-            return web.json_response(
-                {"error": {"message": str(e), "type": "invalid_request"}}, status=400
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise ApiError(
+                f"the model `{model}` does not exist; this server serves `{self.model_name}`",
+                "model",
+                status=404,
+                code="model_not_found",
             )
-        pending = _Pending(prompt, params, asyncio.get_running_loop(), asyncio.Queue())
+
+    def _prepare(
+        self, req: CompletionRequest | ChatCompletionRequest, loop: asyncio.AbstractEventLoop
+    ) -> Prepared:
+        """Tokenize (rendering a chat), check against the engine's limits, build the jobs.
+        Runs on a worker thread: a huge prompt must not stall the event loop."""
+        tok = self.llm.tokenizer
+        if isinstance(req, ChatCompletionRequest):
+            try:
+                text = tok.apply_chat_template(req.conversation(), req.add_generation_prompt)
+            except ChatTemplateError as e:
+                raise ApiError(str(e), "messages") from None
+            prompts = [tok.encode(text)]
+            param = "messages"
+        else:
+            prompts = [p if isinstance(p, list) else tok.encode(p) for p in req.prompts()]
+            param = "prompt"
+        jobs = []
+        for tokens in prompts:
+            max_tokens = self._max_tokens(req, len(tokens))
+            try:
+                self.llm.check_prompt(tokens, max_tokens)
+            except ValueError as e:
+                raise ApiError(str(e), param) from None
+            jobs.append(
+                [
+                    Job(tokens, self._params(req, max_tokens, j), loop, cache_salt=req.cache_salt)
+                    for j in range(req.n)
+                ]
+            )
+        return Prepared(prompts, jobs)
+
+    def _max_tokens(self, req: CompletionRequest | ChatCompletionRequest, num_prompt: int) -> int:
+        if isinstance(req, ChatCompletionRequest):
+            given = req.completion_tokens
+            return given if given is not None else max(1, self.llm.max_model_len - num_prompt)
+        return req.max_tokens
+
+    @staticmethod
+    def _params(
+        req: CompletionRequest | ChatCompletionRequest, max_tokens: int, j: int
+    ) -> SamplingParams:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=0 if req.top_k in (None, -1) else req.top_k,
+            seed=None if req.seed is None else (req.seed + j) % 2**63,
+            stop=req.stops,
+            stop_token_ids=tuple(req.stop_token_ids or ()),
+            ignore_eos=req.ignore_eos,
+        )
+
+    # -- handlers -----------------------------------------------------------------------------
+
+    async def completions(self, http: web.Request) -> web.StreamResponse:
+        return await self._generate(http, chat=False)
+
+    async def chat_completions(self, http: web.Request) -> web.StreamResponse:
+        return await self._generate(http, chat=True)
+
+    async def _generate(self, http: web.Request, chat: bool) -> web.StreamResponse:
+        loop = asyncio.get_running_loop()
+        req: CompletionRequest | ChatCompletionRequest
         try:
-            engine.submit(pending)
+            body = await read_body(http)
+            req = parse(body, ChatCompletionRequest) if chat else parse(body, CompletionRequest)
+            self._check_model(req.model)
+            prepared = await asyncio.to_thread(self._prepare, req, loop)
+        except ApiError as e:
+            return error_response(e)
+        jobs = [job for choices in prepared.jobs for job in choices]
+        try:
+            for job in jobs:
+                self.engine.submit(job)
         except RuntimeError as e:
-            return web.json_response({"error": {"message": str(e)}}, status=503)
-        rid = f"cmpl-{uuid.uuid4().hex[:16]}"
-        stream = bool(body.get("stream", False))
-        response: web.StreamResponse | None = None
-        if stream:
-            response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-            await response.prepare(http)
-        texts: list[str] = []
-        while True:
-            kind, *rest = await pending.updates.get()
-            if kind != "tokens":
-                status = 400 if kind == "invalid" else 500
-                if response is None:
-                    return web.json_response({"error": {"message": rest[0]}}, status=status)
-                await response.write(f"data: {json.dumps({'error': rest[0]})}\n\n".encode())
-                break
-            _, text, reason, req = rest
-            texts.append(text)
-            if response is not None:
-                extra = _usage(req) if reason else {}
-                payload = json.dumps(_chunk(rid, model_name, text, reason, extra))
-                await response.write(f"data: {payload}\n\n".encode())
-            if reason is not None:
-                if response is None:
-                    return web.json_response(
-                        _chunk(rid, model_name, "".join(texts), reason, _usage(req))
+            self._abort(jobs)
+            return error_response(ApiError(str(e), status=503, type_="service_unavailable"))
+        envelope = Envelope(chat=chat, model=self.model_name)
+        try:
+            if req.stream:
+                return await self._stream(
+                    http, envelope, prepared, req.include_usage, req.return_token_ids
+                )
+            return await self._collect(envelope, prepared, req.return_token_ids)
+        finally:
+            self._abort(jobs)  # what is still running when the client is gone or on error
+
+    def _abort(self, jobs: list[Job]) -> None:
+        for job in jobs:
+            self.engine.abort(job.request_id)
+
+    async def _collect(
+        self, envelope: Envelope, prepared: Prepared, return_ids: bool
+    ) -> web.Response:
+        choices: list[dict[str, Any]] = []
+        finals: list[Request] = []
+        for choices_of_prompt in prepared.jobs:
+            for job in choices_of_prompt:
+                text: list[str] = []
+                while True:
+                    update = await job.updates.get()
+                    if isinstance(update, Failed):
+                        return error_response(_failure(update))
+                    text.append(update.text)
+                    if update.request is not None:
+                        break
+                final = update.request
+                ids = (job.prompt, list(final.output_token_ids)) if return_ids else None
+                choices.append(
+                    envelope.choice(
+                        len(choices), "".join(text), update.finish_reason, update.stop_reason, ids
                     )
-                break
-        assert response is not None
-        await response.write(b"data: [DONE]\n\n")
-        await response.write_eof()
+                )
+                finals.append(update.request)
+        return web.json_response(envelope.body(choices, _usage(prepared, finals)))
+
+    async def _stream(
+        self,
+        http: web.Request,
+        envelope: Envelope,
+        prepared: Prepared,
+        include_usage: bool,
+        return_ids: bool,
+    ) -> web.StreamResponse:
+        response = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        )
+        await response.prepare(http)
+        merged: asyncio.Queue[tuple[int, Update | Failed]] = asyncio.Queue()
+        jobs = [job for choices in prepared.jobs for job in choices]
+
+        async def forward(index: int, job: Job) -> None:
+            while True:
+                update = await job.updates.get()
+                await merged.put((index, update))
+                if isinstance(update, Failed) or update.request is not None:
+                    return
+
+        tasks = [asyncio.create_task(forward(i, job)) for i, job in enumerate(jobs)]
+        finals: list[Request | None] = [None] * len(jobs)
+        started = [False] * len(jobs)
+        try:
+            remaining = len(jobs)
+            while remaining:
+                index, update = await merged.get()
+                if isinstance(update, Failed):
+                    error = _failure(update)
+                    await response.write(sse(error.body()))
+                    break
+                if update.text or not started[index] or update.request is not None:
+                    ids = (jobs[index].prompt, update.token_ids) if return_ids else None
+                    await response.write(
+                        envelope.chunk(
+                            index,
+                            update.text,
+                            update.finish_reason,
+                            update.stop_reason,
+                            first=not started[index],
+                            token_ids=ids,
+                        )
+                    )
+                    started[index] = True
+                if update.request is not None:
+                    finals[index] = update.request
+                    remaining -= 1
+            else:  # every choice finished (no error broke the loop)
+                if include_usage:
+                    done = [r for r in finals if r is not None]
+                    await response.write(envelope.usage_chunk(_usage(prepared, done)))
+            await response.write(DONE)
+            await response.write_eof()
+        finally:
+            for t in tasks:
+                t.cancel()
         return response
 
-    async def health(_: web.Request) -> web.Response:
-        if engine.error:
-            return web.json_response({"status": "error", "error": engine.error}, status=503)
+    async def models(self, _: web.Request) -> web.Response:
+        return web.json_response(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": self.model_name,
+                        "object": "model",
+                        "created": 0,
+                        "owned_by": "kvconnect",
+                        "max_model_len": self.llm.max_model_len,
+                    }
+                ],
+            }
+        )
+
+    async def health(self, _: web.Request) -> web.Response:
+        if self.engine.error:
+            return web.json_response({"status": "error", "error": self.engine.error}, status=503)
         return web.json_response({"status": "ok"})
 
-    async def metrics(_: web.Request) -> web.Response:
-        return web.Response(text=engine_metrics(engine), content_type="text/plain")
+    async def prometheus(self, _: web.Request) -> web.Response:
+        text = await asyncio.to_thread(self.metrics.render)
+        return web.Response(body=text, content_type="text/plain", charset="utf-8")
 
-    app = web.Application()
-    app.router.add_post("/v1/completions", completions)
-    app.router.add_get("/health", health)
-    app.router.add_get("/metrics", metrics)
+
+def _failure(update: Failed) -> ApiError:
+    if update.status == 400:
+        return ApiError(update.message)
+    return ApiError(update.message, status=update.status, type_="service_unavailable")
+
+
+def _usage(prepared: Prepared, finals: list[Request]) -> Usage:
+    """Prompt tokens once per prompt (its n choices share it), all generated tokens."""
+    usage = Usage(completion_tokens=sum(len(r.output_token_ids) for r in finals))
+    n = len(prepared.jobs[0]) if prepared.jobs else 1
+    for first in finals[::n]:
+        usage.prompt_tokens += len(first.prompt_token_ids)
+        usage.cached_tokens += (first.num_cached_tokens or 0) + first.num_external_tokens
+    return usage
+
+
+def make_app(server: OpenAIServer) -> web.Application:
+    app = web.Application(middlewares=[access_and_errors], client_max_size=MAX_BODY_BYTES + 1)
+    app.router.add_post("/v1/completions", server.completions)
+    app.router.add_post("/v1/chat/completions", server.chat_completions)
+    app.router.add_get("/v1/models", server.models)
+    app.router.add_get("/health", server.health)
+    app.router.add_get("/metrics", server.prometheus)
     return app
 
 
-def engine_metrics(engine: EngineLoop) -> str:
-    m, llm = engine.metrics, engine.llm
-    stats = llm.scheduler.stats
-    pub = llm.publisher
-    lines = [
-        ("kvconnect_requests_total", m.requests),
-        ("kvconnect_prompt_tokens_total", m.prompt_tokens),
-        ("kvconnect_generation_tokens_total", m.generation_tokens),
-        ('kvconnect_prefix_cache_hit_tokens_total{tier="GPU"}', m.cached_tokens),
-        ('kvconnect_prefix_cache_hit_tokens_total{tier="connector"}', m.external_tokens),
-        ("kvconnect_preemptions_total", stats.num_preemptions),
-        ("kvconnect_kv_events_total", stats.num_events_published),
-        ("kvconnect_kv_event_batches_published_total", getattr(pub, "num_published", 0)),
-        ("kvconnect_kv_event_batches_dropped_total", getattr(pub, "num_dropped", 0)),
-        ("kvconnect_kv_cache_usage", llm.scheduler.pool.usage),
-    ]
-    cs = llm.scheduler.connector_stats
-    if cs is not None:
-        for k, v in sorted(cs.reduce().items()):
-            if isinstance(v, int | float):
-                lines.append((f"kvconnect_connector_{k}", v))
-    return "".join(f"{name} {value}\n" for name, value in lines)
+def serve(llm: LLM, host: str, port: int, model_name: str, ready: str = "") -> int:
+    """Run the API until interrupted (0) or until the engine fails (1)."""
+    return asyncio.run(_serve(llm, host, port, model_name, ready))
 
 
-def serve(llm: LLM, host: str, port: int, model_name: str) -> None:
-    """Run the API until interrupted."""
-    engine = EngineLoop(llm)
+async def _serve(llm: LLM, host: str, port: int, model_name: str, ready: str) -> int:
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    exit_code = 0
+
+    def fatal(_: str) -> None:
+        nonlocal exit_code
+        exit_code = 1
+        loop.call_soon_threadsafe(stop.set)
+
+    metrics = ServeMetrics(llm, model_name)
+
+    def finished(job: Job, request: Request) -> None:
+        ttft = None if job.first_token_at is None else job.first_token_at - job.submitted
+        metrics.finished(request, ttft, time.monotonic() - job.submitted)
+
+    engine = EngineLoop(llm, on_fatal=fatal, on_finished=finished)
+    runner = web.AppRunner(
+        make_app(OpenAIServer(engine, llm, model_name, metrics)), access_log=None
+    )
+    await runner.setup()
     try:
-        web.run_app(
-            make_app(engine, model_name), host=host, port=port, print=None, handle_signals=True
+        await web.TCPSite(runner, host, port, shutdown_timeout=5).start()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        print(
+            f"kvconnect serve: ready at http://{host}:{port} (model {model_name}){ready}",
+            flush=True,
         )
+        await stop.wait()
     finally:
-        # Shutdown is bounded (workers are stopped within seconds); a second Ctrl-C must not
-        # cut it short and leave worker processes behind.
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        engine.stop()
+        with contextlib.suppress(Exception):
+            await runner.cleanup()
+        await asyncio.to_thread(engine.stop)
+    return exit_code
+
+
+__all__ = ["OpenAIServer", "make_app", "serve"]
+
+
+def run_serve(args: Any) -> int:
+    """`kvconnect serve`: configs and ports checked, then the model loaded, then served."""
+    from kvconnect.startup import (
+        check_events_ports,
+        check_port_free,
+        events_config,
+        transfer_config,
+    )
+
+    events = events_config(args.kv_events_config, args.port)
+    transfer = transfer_config(args.kv_transfer_config)
+    check_port_free(args.host, args.port, "--port")
+    check_events_ports(events)
+    llm = LLM(
+        args.model,
+        tensor_parallel_size=args.tp,
+        block_size=args.block_size,
+        num_kv_blocks=args.num_kv_blocks,
+        max_model_len=args.max_model_len,
+        hash_seed=args.hash_seed,
+        kv_transfer_config=transfer,
+        kv_events_config=events,
+    )
+    ready = ""
+    if events is not None and events.enable_kv_cache_events:
+        pub: Any = llm.publisher
+        ready = f"; KV events {pub.endpoint}, replay {pub.replay_endpoint}"
+    try:
+        return serve(llm, args.host, args.port, args.served_model_name or args.model, ready)
+    finally:
         llm.shutdown()

@@ -1,10 +1,14 @@
 import io
 import json
+import socket
+from pathlib import Path
 
 import pytest
 
-from kvconnect.cli import demo_batches, format_item, main, run_demo
+from kvconnect import __version__
+from kvconnect.cli import main
 from kvconnect.events import AllBlocksCleared, BlockStored
+from kvconnect.events_tool import demo_batches, format_item, run_demo
 from kvconnect.hashing import block_hashes, to_wire
 from kvconnect.subscriber import EventsLost, PublisherRestarted, ReceivedBatch, StreamId
 from tests.helpers import free_port, make_batch
@@ -63,3 +67,146 @@ def test_router_rejects_bad_instances_and_weights(capsys: pytest.CaptureFixture[
         == 2
     )
     assert "--tier-weights" in capsys.readouterr().err
+
+
+def one_line_error(capsys: pytest.CaptureFixture[str], argv: list[str], *names: str) -> str:
+    """`argv` exits 2 with one line on stderr that names each of `names`."""
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert err.startswith(f"kvconnect {argv[0]}: error: "), err
+    for name in names:
+        assert name in err, (name, err)
+    return err
+
+
+@pytest.mark.parametrize(
+    ("argv", "names"),
+    [
+        (["serve", "--tp", "0"], ["--tp", "0"]),
+        (["generate", "--tp", "0", "--prompt", "x"], ["--tp"]),
+        (["serve", "--port", "70000"], ["--port", "70000"]),
+        (["serve", "--model", "tiny", "--kv-events-config", "{bad"], ["--kv-events-config"]),
+        (["serve", "--model", "tiny", "--kv-transfer-config", "[1]"], ["--kv-transfer-config"]),
+        (
+            ["serve", "--model", "tiny", "--kv-events-config", '{"enable_kv_cache_events": 1}'],
+            ["--kv-events-config", "enable_kv_cache_events"],
+        ),
+        (
+            [
+                "serve",
+                "--model",
+                "tiny",
+                "--kv-events-config",
+                '{"enable_kv_cache_events": true, "publisher": "nats"}',
+            ],
+            ["--kv-events-config", "nats"],
+        ),
+        (
+            [
+                "serve",
+                "--model",
+                "tiny",
+                "--kv-transfer-config",
+                '{"kv_connector": "Nope", "kv_role": "kv_both"}',
+            ],
+            ["--kv-transfer-config", "Nope"],
+        ),
+        (
+            [
+                "serve",
+                "--model",
+                "tiny",
+                "--port",
+                "50000",
+                "--kv-events-config",
+                '{"enable_kv_cache_events": true}',
+            ],
+            ["--port 50000", "replay_endpoint"],
+        ),
+        (["serve", "--model", "/missing/model"], ["/missing/model"]),
+        (
+            [
+                "router",
+                "--model",
+                "/missing/model",
+                "--instance",
+                "http://127.0.0.1:1,tcp://127.0.0.1:2",
+            ],
+            ["/missing/model"],
+        ),
+        (["router", "--instance", "nonsense"], ["--instance", "URL,EVENTS_ENDPOINT"]),
+        (
+            [
+                "router",
+                "--model",
+                "tiny",
+                "--instance",
+                "http://127.0.0.1:1,tcp://127.0.0.1:2",
+                "--tier-weights",
+                "GPU",
+            ],
+            ["--tier-weights"],
+        ),
+        (["events", "tail", "--endpoint", "tcp://nohost"], ["tcp://nohost"]),
+    ],
+)
+def test_bad_flags_and_configs_are_one_line_errors(
+    capsys: pytest.CaptureFixture[str], argv: list[str], names: list[str]
+) -> None:
+    one_line_error(capsys, argv, *names)
+
+
+def test_a_port_in_use_is_named_before_the_model_loads(capsys: pytest.CaptureFixture[str]) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        one_line_error(
+            capsys, ["serve", "--model", "tiny", "--port", str(port)], "--port", str(port)
+        )
+        one_line_error(
+            capsys,
+            [
+                "router",
+                "--model",
+                "tiny",
+                "--port",
+                str(port),
+                "--instance",
+                "http://127.0.0.1:1,tcp://127.0.0.1:2",
+            ],
+            "--port",
+            str(port),
+        )
+
+
+def test_an_unreachable_redis_tier_is_named(capsys: pytest.CaptureFixture[str]) -> None:
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        url = f"redis://127.0.0.1:{s.getsockname()[1]}"
+    config = json.dumps(
+        {
+            "kv_connector": "OffloadConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"tiers": [{"kind": "redis", "url": url}]},
+        }
+    )
+    argv = ["serve", "--model", "tiny", "--port", str(free_port()), "--kv-transfer-config", config]
+    one_line_error(capsys, argv, url, "unreachable")
+
+
+def test_version_and_help_with_defaults(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"kvconnect {__version__}"
+    assert main(["serve", "--help"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "(default: None)" not in text and "--tp TP, --tensor-parallel-size TP tensor" in text
+    assert "(default: 8000)" in text and "(default: 127.0.0.1)" in text
+    assert "(default: smollm2)" in text
+
+
+def test_a_missing_gguf_file_is_named(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(b"not a gguf file")
+    one_line_error(capsys, ["serve", "--model", str(broken)], str(broken))

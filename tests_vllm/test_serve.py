@@ -58,11 +58,17 @@ def held(router: RouterProcess, server: VllmServer, prompt: str) -> int:
 
 def learned(router: RouterProcess, server: VllmServer) -> bool:
     """The router has seen a prefix-starting event of `server` and knows how it hashes."""
-    line = (
-        f'kvconnect_router_instance_hash_scheme{{instance="{server.url}",'
-        f'scheme="sha256:vllm-none-hash",block_size="{server.block_size}"}} 1'
-    )
-    return line in router.metrics()
+    want = {
+        "instance": server.url,
+        "scheme": "sha256:vllm-none-hash",
+        "block_size": str(server.block_size),
+    }
+    for labels, value in re.findall(
+        r"^kvconnect_router_instance_hash_scheme\{(.*)\} (\S+)$", router.metrics(), re.M
+    ):
+        if dict(re.findall(r'(\w+)="([^"]*)"', labels)) == want and float(value) == 1:
+            return True
+    return False
 
 
 def decisions(router: RouterProcess, server: VllmServer) -> int:

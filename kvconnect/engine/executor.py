@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import multiprocessing as mp
+import signal
 import socket
 import time
 from dataclasses import replace
@@ -93,6 +94,22 @@ class Executor:
     def worker_pids(self) -> list[int | None]:
         return [p.pid for p in self._procs]
 
+    def check_alive(self) -> None:
+        """`EngineDeadError` if a worker process has exited (an idle engine asks now and then)."""
+        if self._dead:
+            raise EngineDeadError("the engine's workers are gone")
+        for r, p in enumerate(self._procs):
+            if not p.is_alive():
+                self._dead = True
+                raise EngineDeadError(_died(r, p))
+
+    def _lost(self, rank: int, e: BaseException) -> EngineDeadError:
+        """The pipe to `rank` broke: name the worker that died (usually `rank`) if one has."""
+        self._dead = True
+        self._procs[rank].join(1.0)  # a pipe breaks a moment before the exit is reaped
+        dead = [_died(r, p) for r, p in enumerate(self._procs) if not p.is_alive()]
+        return EngineDeadError("; ".join(dead) or f"worker {rank} went away: {e!r}")
+
     def _recv(self, rank: int, expected: type[R], timeout: float) -> R:
         conn = self._conns[rank]
         deadline = time.monotonic() + timeout
@@ -101,15 +118,14 @@ class Executor:
             for r, p in enumerate(self._procs):
                 if not p.is_alive():
                     self._dead = True
-                    raise EngineDeadError(f"worker {r} died (exit code {p.exitcode})")
+                    raise EngineDeadError(_died(r, p))
             if time.monotonic() > deadline:
                 self._dead = True
                 raise EngineDeadError(f"worker {rank} did not answer within {timeout:.0f}s")
         try:
             reply: WorkerReply = conn.recv()
         except (EOFError, OSError) as e:
-            self._dead = True
-            raise EngineDeadError(f"worker {rank} went away: {e!r}") from e
+            raise self._lost(rank, e) from e
         if isinstance(reply, WorkerFailed):
             self._dead = True
             raise EngineDeadError(
@@ -123,12 +139,7 @@ class Executor:
     def _dead_workers(self) -> str:
         """Which workers have died, as the root cause to put first in an error."""
         time.sleep(0.1)  # a peer's failure is often noticed before its exit is reaped
-        dead = [
-            f"worker {r} died (exit code {p.exitcode}); "
-            for r, p in enumerate(self._procs)
-            if not p.is_alive()
-        ]
-        return "".join(dead)
+        return "".join(f"{_died(r, p)}; " for r, p in enumerate(self._procs) if not p.is_alive())
 
     def execute_model(
         self, scheduler_output: SchedulerOutput
@@ -139,9 +150,8 @@ class Executor:
         for rank, conn in enumerate(self._conns):
             try:
                 conn.send(scheduler_output)
-            except (BrokenPipeError, OSError) as e:
-                self._dead = True
-                raise EngineDeadError(f"worker {rank} went away: {e!r}") from e
+            except OSError as e:
+                raise self._lost(rank, e) from e
         results = [
             self._recv(rank, WorkerOutput, self.step_timeout) for rank in range(len(self._conns))
         ]
@@ -172,3 +182,13 @@ class Executor:
         if self._shm is not None:
             self._shm.close()
             self._shm = None
+
+
+def _died(rank: int, proc: BaseProcess) -> str:
+    code = proc.exitcode
+    how = (
+        f"killed by {signal.Signals(-code).name}"
+        if code is not None and code < 0
+        else f"exit code {code}"
+    )
+    return f"worker {rank} died ({how})"

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any, TypeVar
 
 from kvconnect.config import KVEventsConfig, KVTransferConfig
@@ -21,7 +22,14 @@ from kvconnect.connector.base import KVConnectorBase, KVConnectorRole
 from kvconnect.connector.registry import KVConnectorFactory
 from kvconnect.engine.block_pool import BlockPool
 from kvconnect.engine.executor import EngineDeadError, Executor
-from kvconnect.engine.request import CompletionOutput, Request, RequestOutput, SamplingParams
+from kvconnect.engine.output import OutputProcessor, RequestState
+from kvconnect.engine.request import (
+    CompletionOutput,
+    Request,
+    RequestOutput,
+    RequestStatus,
+    SamplingParams,
+)
 from kvconnect.engine.scheduler import Scheduler, SchedulerConfig
 from kvconnect.engine.worker import WorkerConfig
 from kvconnect.hashing import DEFAULT_ALGORITHM
@@ -33,6 +41,16 @@ logger = logging.getLogger(__name__)
 
 C = TypeVar("C", KVEventsConfig, KVTransferConfig)
 Prompt = str | Sequence[int]
+
+
+def children(params: SamplingParams) -> list[SamplingParams]:
+    """The n single-completion requests of `params` (seed s gives them s, s+1, ...)."""
+    if params.n == 1:
+        return [params]
+    return [
+        replace(params, n=1, seed=None if params.seed is None else params.seed + j)
+        for j in range(params.n)
+    ]
 
 
 def as_config(cls: type[C], value: C | Mapping[str, Any] | str | None) -> C | None:
@@ -121,6 +139,8 @@ class LLM:
         except BaseException:
             self.publisher.shutdown()
             raise
+        self.outputs = OutputProcessor(self.tokenizer)
+        self._states: dict[str, RequestState] = {}
         self._next_id = 0
         self._closed = False
 
@@ -133,10 +153,11 @@ class LLM:
         request_id: str | None = None,
         **kwargs: Any,
     ) -> Request:
+        """Queue one request (n=1: `generate` fans out n); `ValueError` if it cannot run."""
+        if params.n != 1:
+            raise ValueError("add_request takes SamplingParams with n=1 (generate fans out n)")
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        vocab = self.model_config.vocab_size
-        if any(not 0 <= t < vocab for t in token_ids):
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        self.check_prompt(token_ids, params.max_tokens)
         if request_id is None:
             request_id, self._next_id = str(self._next_id), self._next_id + 1
         request = Request(
@@ -150,7 +171,37 @@ class LLM:
             **kwargs,
         )
         self.scheduler.add_request(request)
+        self._states[request.request_id] = self.outputs.add(request)
         return request
+
+    def check_prompt(self, token_ids: Sequence[int], max_tokens: int) -> None:
+        """`ValueError` saying why the engine cannot run this prompt (any thread may ask)."""
+        if not token_ids:
+            raise ValueError("the prompt has no tokens")
+        vocab = self.model_config.vocab_size
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in token_ids):
+            raise ValueError("prompt token ids must be integers")
+        bad = next((t for t in token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt token id {bad} is not in the vocabulary [0, {vocab})")
+        limit = self.scheduler.config.max_model_len
+        if len(token_ids) + max_tokens > limit:
+            raise ValueError(
+                f"the prompt ({len(token_ids)} tokens) plus max_tokens ({max_tokens}) is more "
+                f"than the model's context of {limit} tokens"
+            )
+
+    @property
+    def max_model_len(self) -> int:
+        return self.scheduler.config.max_model_len
+
+    def output_state(self, request_id: str) -> RequestState:
+        """The text of a request's output so far (see `engine/output.py`)."""
+        return self._states[request_id]
+
+    def release(self, request_id: str) -> RequestState | None:
+        """Forget a finished request's output state (after its last `take_delta`)."""
+        return self._states.pop(request_id, None)
 
     def step(self) -> list[Request]:
         """One engine step; returns the requests that finished in it."""
@@ -161,6 +212,13 @@ class LLM:
             self._fail_all(str(e))
             raise
         finished = self.scheduler.update_from_output(scheduler_output, sampled, kv_output)
+        for request_id in sampled:
+            state = self._states.get(request_id)
+            if state is None or not self.outputs.update(state):
+                continue
+            if not state.request.status.is_finished:  # a stop string ends it now
+                self.scheduler.abort_request(request_id, RequestStatus.FINISHED_STOPPED)
+                finished.append(state.request)
         if not scheduler_output.scheduled:
             if scheduler_output.stuck_req_id is not None:
                 raise RuntimeError(
@@ -187,13 +245,16 @@ class LLM:
         per_prompt = list(params) if isinstance(params, Sequence) else [params] * len(batch)
         if len(per_prompt) != len(batch):
             raise ValueError(f"{len(per_prompt)} sampling params for {len(batch)} prompts")
-        requests = [self.add_request(p, sp) for p, sp in zip(batch, per_prompt, strict=True)]
+        requests = [
+            [self.add_request(p, child) for child in children(sp)]
+            for p, sp in zip(batch, per_prompt, strict=True)
+        ]
         while self.scheduler.has_unfinished_requests:
             self.step()
         deadline = time.monotonic() + 30
         while self.scheduler.has_pending_transfers and time.monotonic() < deadline:
             self.step()  # let async saves finish, so their blocks come back
-        return [self._output(r, p) for r, p in zip(requests, batch, strict=True)]
+        return [self._output(rs, p) for rs, p in zip(requests, batch, strict=True)]
 
     def chat(
         self,
@@ -214,20 +275,27 @@ class LLM:
         ]
         return self.generate(prompts, sampling_params)
 
-    def _output(self, req: Request, prompt: Prompt) -> RequestOutput:
+    def _output(self, requests: list[Request], prompt: Prompt) -> RequestOutput:
+        outputs = []
+        for j, r in enumerate(requests):
+            state = self.release(r.request_id)
+            assert state is not None
+            outputs.append(
+                CompletionOutput(
+                    j,
+                    state.text,
+                    list(r.output_token_ids),
+                    r.status.finish_reason,
+                    state.stop_reason,
+                )
+            )
+        req = requests[0]
         return RequestOutput(
             request_id=req.request_id,
             prompt=prompt if isinstance(prompt, str) else None,
             prompt_token_ids=req.prompt_token_ids,
-            outputs=[
-                CompletionOutput(
-                    0,
-                    self.tokenizer.decode(req.output_token_ids),
-                    list(req.output_token_ids),
-                    req.status.finish_reason,
-                )
-            ],
-            finished=req.status.is_finished,
+            outputs=outputs,
+            finished=all(r.status.is_finished for r in requests),
             num_cached_tokens=req.num_cached_tokens or 0,
             num_external_tokens=req.num_external_tokens,
             kv_transfer_params=req.kv_transfer_params,

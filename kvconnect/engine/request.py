@@ -11,22 +11,58 @@ from kvconnect.hashing import DEFAULT_ALGORITHM, ExtraKeys, RequestBlockHasher, 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to pick each next token."""
+    """How to pick each next token, and when to stop (vLLM's names)."""
 
+    n: int = 1
+    """Completions per prompt (`LLM.generate` runs n requests; seed s gives them s, s+1, ...)."""
     max_tokens: int = 16
     """New tokens to generate at most."""
     temperature: float = 0.0
     """0 is greedy; above 0 samples from softmax(logits / temperature)."""
+    top_p: float = 1.0
+    """Sample only from the smallest set of tokens whose probability reaches top_p."""
+    top_k: int = 0
+    """Sample only from the k most likely tokens; 0 (or -1) means all."""
     seed: int | None = None
-    """Seed of a sampled request's random choices; None uses the request's index."""
+    """Seed of a sampled request's random choices; None uses the request's id."""
+    stop: tuple[str, ...] = ()
+    """Strings that end the output when generated; the output does not include them."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Tokens that end the output when generated (included in token_ids, as EOS is)."""
     ignore_eos: bool = False
     """Keep generating past the end-of-sequence token."""
 
     def __post_init__(self) -> None:
-        if self.max_tokens < 1:
-            raise ValueError(f"SamplingParams.max_tokens={self.max_tokens!r}: must be >= 1")
-        if self.temperature < 0:
-            raise ValueError(f"SamplingParams.temperature={self.temperature!r}: must be >= 0")
+        def fail(name: str, why: str) -> ValueError:
+            return ValueError(f"SamplingParams.{name}={getattr(self, name)!r}: {why}")
+
+        if not _is_int(self.n) or self.n < 1:
+            raise fail("n", "must be an integer >= 1")
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            raise fail("max_tokens", "must be an integer >= 1")
+        if not _is_number(self.temperature) or not 0 <= self.temperature <= 100:
+            raise fail("temperature", "must be a number in [0, 100]")
+        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
+            raise fail("top_p", "must be a number in (0, 1]")
+        if not _is_int(self.top_k) or self.top_k < -1:
+            raise fail("top_k", "must be an integer >= -1 (0 or -1: no limit)")
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**63):
+            raise fail("seed", "must be an integer in [0, 2**63)")
+        stop: object = self.stop  # one string is accepted for a tuple of one, as in vLLM
+        object.__setattr__(self, "stop", (stop,) if isinstance(stop, str) else tuple(self.stop))
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise fail("stop", "must be non-empty strings")
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
+            raise fail("stop_token_ids", "must be token ids (integers >= 0)")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and value == value
 
 
 class RequestStatus(enum.Enum):
@@ -118,11 +154,10 @@ class Request:
         if not self.output_token_ids:
             return None
         params = self.sampling_params
+        last = self.output_token_ids[-1]
         if (
-            not params.ignore_eos
-            and self.eos_token_id is not None
-            and self.output_token_ids[-1] == self.eos_token_id
-        ):
+            not params.ignore_eos and self.eos_token_id is not None and last == self.eos_token_id
+        ) or last in params.stop_token_ids:
             return RequestStatus.FINISHED_STOPPED
         if len(self.output_token_ids) >= params.max_tokens:
             return RequestStatus.FINISHED_LENGTH
@@ -136,6 +171,8 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None
     """"stop", "length", "abort" or "error"."""
+    stop_reason: str | int | None = None
+    """The stop string or stop token that ended it; None for EOS or a length limit."""
 
 
 @dataclass

@@ -126,7 +126,11 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
-    def abort_request(self, request_id: str) -> None:
+    def abort_request(
+        self, request_id: str, status: RequestStatus = RequestStatus.FINISHED_ABORTED
+    ) -> None:
+        """End an unfinished request now, with `status` (a stop string ends one with
+        FINISHED_STOPPED); unknown or finished ids are ignored."""
         request = self.requests.get(request_id)
         if request is None or request.status.is_finished:
             return
@@ -137,9 +141,7 @@ class Scheduler:
             self.waiting.remove(request)
         if request in self.running:
             self.running.remove(request)
-        self._finish(
-            request, RequestStatus.FINISHED_ABORTED, free=request_id not in self._aborted_loading
-        )
+        self._finish(request, status, free=request_id not in self._aborted_loading)
 
     @property
     def has_unfinished_requests(self) -> bool:
@@ -285,6 +287,8 @@ class Scheduler:
                 block_ids=block_ids,
                 sample=start + num_new == req.num_tokens,
                 temperature=params.temperature,
+                top_p=params.top_p,
+                top_k=params.top_k,
                 seed=params.seed
                 if params.seed is not None
                 else zlib.crc32(req.request_id.encode()),

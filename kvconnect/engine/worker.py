@@ -28,7 +28,7 @@ from kvconnect.connector.registry import KVConnectorFactory
 from kvconnect.connector.step import run_worker_step
 from kvconnect.engine.shm_all_reduce import ShmAllReduce, ShmAllReduceHandle
 from kvconnect.hashing import DEFAULT_ALGORITHM
-from kvconnect.messages import KVConnectorOutput, SchedulerOutput
+from kvconnect.messages import KVConnectorOutput, ScheduledRequest, SchedulerOutput
 from kvconnect.model.llama import AttentionMetadata, LayerHooks
 from kvconnect.model.loader import load_model
 
@@ -188,22 +188,32 @@ class ModelRunner:
         if not rows:
             return {}
         logits = self.model.compute_logits(hidden[rows])
-        sampled = {}
-        for s, row in zip(reqs, logits, strict=True):
-            if s.temperature == 0:
-                token = int(row.argmax())
-            else:
-                gen = torch.Generator().manual_seed(s.seed * 1_000_003 + s.num_output_tokens)
-                probs = torch.softmax(row / s.temperature, dim=-1)
-                token = int(torch.multinomial(probs, 1, generator=gen))
-            sampled[s.request_id] = token
-        return sampled
+        return {s.request_id: sample(row, s) for s, row in zip(reqs, logits, strict=True)}
 
     def shutdown(self) -> None:
         if self.connector is not None:
             self.connector.shutdown()
         if self._all_reduce is not None:
             self._all_reduce.close()
+
+
+def sample(logits: torch.Tensor, s: ScheduledRequest) -> int:
+    """One next token: greedy at temperature 0, else from softmax(logits / T), cut to the
+    top_k most likely and to the smallest set reaching top_p. The random choice depends only
+    on the request's seed and position, so it is the same at any TP size."""
+    if s.temperature == 0:
+        return int(logits.argmax())
+    probs = torch.softmax(logits / s.temperature, dim=-1)
+    if 0 < s.top_k < probs.numel() or s.top_p < 1.0:
+        sorted_probs, order = probs.sort(descending=True)
+        keep = torch.ones_like(sorted_probs, dtype=torch.bool)
+        if 0 < s.top_k < probs.numel():
+            keep[s.top_k :] = False
+        if s.top_p < 1.0:  # keep a token while the mass before it is below top_p
+            keep &= (sorted_probs.cumsum(0) - sorted_probs) < s.top_p
+        probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_probs[keep])
+    gen = torch.Generator().manual_seed(s.seed * 1_000_003 + s.num_output_tokens)
+    return int(torch.multinomial(probs, 1, generator=gen))
 
 
 def worker_main(config: WorkerConfig, rank: int, conn: Connection) -> None:

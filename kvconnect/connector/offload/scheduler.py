@@ -63,7 +63,9 @@ class OffloadScheduler:
         shared = [t for t, cls in zip(config.tiers, classes, strict=True) if cls.shared]
         if shared:
             placement = TierPlacement(context.world_size, rank=0)
-            self.lookup = PrefixLookup(create_tier(shared[0], placement))
+            tier = create_tier(shared[0], placement)
+            tier.check_reachable()  # before any worker starts: a wrong URL fails at once
+            self.lookup = PrefixLookup(tier)
         self._plans: dict[str, tuple[int, int]] = {}  # request -> (first token, num chunks)
         self._loads: list[LoadSpec] = []
         self._tracked: dict[str, _Tracked] = {}

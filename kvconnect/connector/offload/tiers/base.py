@@ -90,6 +90,11 @@ class Tier(ABC):
     @abstractmethod
     def check_integrity(self) -> None: ...
 
+    def check_reachable(self) -> None:
+        """`ValueError` if the tier cannot be used at all (a remote one that does not answer);
+        local tiers always can."""
+        return None
+
     def close(self) -> None:
         return None
 

@@ -54,6 +54,13 @@ class RedisTier(Tier):
         self._client: Any = connect(url)
         self.num_errors = 0
 
+    def check_reachable(self) -> None:
+        """`ValueError` naming the URL unless the server answers (checked at start)."""
+        try:
+            self._client.ping()
+        except redis.RedisError as e:
+            raise ValueError(f"redis tier {self.url} is unreachable: {e}") from None
+
     def contains(self, key: str) -> bool:
         try:
             return bool(self._client.exists(KEY_PREFIX + key))

@@ -1,0 +1,125 @@
+"""OpenAI's response bodies and stream chunks, as the OpenAI Python client reads them.
+
+    completion       {"id": "cmpl-..", "object": "text_completion", "choices": [{"index",
+                      "text", "logprobs", "finish_reason", "stop_reason"}], "usage"}
+    chat completion  {"id": "chatcmpl-..", "object": "chat.completion", "choices": [{"index",
+                      "message": {"role", "content"}, "finish_reason", ...}], "usage"}
+    stream           "data: <chunk>\\n\\n" ... then "data: [DONE]\\n\\n"; with
+                      stream_options.include_usage a last chunk with no choices and the usage
+
+`usage.prompt_tokens_details.cached_tokens` counts the prompt tokens the engine did not compute:
+found in its prefix cache or loaded by its KV connector.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+TokenIds = tuple[list[int], list[int]]
+"""(prompt token ids, generated token ids) of one choice, with `return_token_ids`."""
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+        }
+
+
+@dataclass
+class Envelope:
+    """What every body and chunk of one response shares."""
+
+    chat: bool
+    model: str
+    id: str = ""
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def __post_init__(self) -> None:
+        if not self.id:
+            self.id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex
+
+    def _head(self, obj: str) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def choice(
+        self,
+        index: int,
+        text: str,
+        finish_reason: str | None,
+        stop_reason: str | int | None = None,
+        token_ids: TokenIds | None = None,
+    ) -> dict[str, Any]:
+        if self.chat:
+            choice: dict[str, Any] = {
+                "index": index,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": None,
+                "finish_reason": finish_reason,
+                "stop_reason": stop_reason,
+            }
+        else:
+            choice = {
+                "index": index,
+                "text": text,
+                "logprobs": None,
+                "finish_reason": finish_reason,
+                "stop_reason": stop_reason,
+            }
+        if token_ids is not None:
+            choice["prompt_token_ids"], choice["token_ids"] = token_ids
+        return choice
+
+    def body(self, choices: list[dict[str, Any]], usage: Usage) -> dict[str, Any]:
+        obj = "chat.completion" if self.chat else "text_completion"
+        return {**self._head(obj), "choices": choices, "usage": usage.body()}
+
+    def chunk(
+        self,
+        index: int,
+        text: str | None,
+        finish_reason: str | None = None,
+        stop_reason: str | int | None = None,
+        first: bool = False,
+        token_ids: TokenIds | None = None,
+    ) -> bytes:
+        if self.chat:
+            delta: dict[str, Any] = {"role": "assistant"} if first else {}
+            if text:
+                delta["content"] = text
+            choice: dict[str, Any] = {"index": index, "delta": delta, "logprobs": None}
+        else:
+            choice = {"index": index, "text": text or "", "logprobs": None}
+        choice["finish_reason"] = finish_reason
+        if finish_reason is not None:
+            choice["stop_reason"] = stop_reason
+        if token_ids is not None:
+            prompt, delta_ids = token_ids
+            if first:
+                choice["prompt_token_ids"] = prompt
+            choice["token_ids"] = delta_ids
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        return sse({**self._head(obj), "choices": [choice]})
+
+    def usage_chunk(self, usage: Usage) -> bytes:
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        return sse({**self._head(obj), "choices": [], "usage": usage.body()})
+
+
+def sse(data: dict[str, Any]) -> bytes:
+    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
+
+
+DONE = b"data: [DONE]\n\n"

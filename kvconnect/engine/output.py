@@ -1,0 +1,75 @@
+"""From sampled tokens to output text: detokenizing, stop strings, what may be streamed yet.
+
+Stop token ids end a request in the scheduler (as EOS does); stop *strings* can only be seen
+in the text, so each step the engine decodes every running request's output here:
+
+    output tokens  ... "Par" "is" "." "\\n" "\\n"        stop=["\\n\\n"]
+    text           "The capital is Paris.\\n\\n"  -> cut to "The capital is Paris."
+                                                   stop_reason "\\n\\n", the request finishes
+
+While a request runs, its last `max(len(stop)) - 1` characters are held back from streaming:
+they might yet become the start of a stop string, which the client must never see. A
+character that the tokenizer cannot complete yet (half a UTF-8 sequence, shown as U+FFFD) is
+held back too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvconnect.engine.request import Request
+from kvconnect.tokenizer import Tokenizer
+
+
+@dataclass
+class RequestState:
+    """One request's output as text, and how much of it has been handed out."""
+
+    request: Request
+    text: str = ""
+    """The output decoded so far, cut before a stop string that ended it."""
+    num_sent: int = 0
+    """Characters of `text` already handed out by `take_delta`."""
+    stop_reason: str | int | None = None
+    """The stop string (or stop token id) that ended the request; None otherwise."""
+    _holdback: int = field(default=0, repr=False)
+
+    def take_delta(self) -> str:
+        """Text not handed out before that can no longer change or turn into a stop string."""
+        end = len(self.text)
+        if not self.request.status.is_finished:
+            end = max(self.num_sent, end - self._holdback)
+            while end > self.num_sent and self.text[end - 1] == "\ufffd":
+                end -= 1  # an incomplete character: wait for the rest of its bytes
+        delta, self.num_sent = self.text[self.num_sent : end], end
+        return delta
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+
+    def add(self, request: Request) -> RequestState:
+        stops = request.sampling_params.stop
+        return RequestState(request, _holdback=max((len(s) for s in stops), default=1) - 1)
+
+    def update(self, state: RequestState) -> bool:
+        """Decode the request's output; True if a stop string ends it now (the caller then
+        finishes the request)."""
+        req = state.request
+        text = self.tokenizer.decode(req.output_token_ids)
+        stops = req.sampling_params.stop
+        if stops and state.stop_reason is None:
+            # Only the new tail can hold a stop string that was not there before.
+            start = max(0, len(state.text) - max(len(s) for s in stops))
+            hits = [(i, s) for s in stops if (i := text.find(s, start)) >= 0]
+            if hits:
+                cut, stop = min(hits)
+                state.text, state.stop_reason = text[:cut], stop
+                return True
+        if state.stop_reason is None:
+            state.text = text
+            last = req.output_token_ids[-1] if req.output_token_ids else None
+            if last is not None and last in req.sampling_params.stop_token_ids:
+                state.stop_reason = last
+        return False

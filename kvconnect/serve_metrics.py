@@ -1,0 +1,135 @@
+"""Prometheus metrics of `kvconnect serve`, under vLLM's names where vLLM has the same thing.
+
+    vllm:prompt_tokens_total, vllm:generation_tokens_total         counters
+    vllm:prefix_cache_queries_total, vllm:prefix_cache_hits_total  prompt tokens looked up in
+                                                                   the engine's prefix cache,
+                                                                   and found there
+    vllm:request_success_total{finished_reason}                    finished requests
+    vllm:time_to_first_token_seconds, vllm:e2e_request_latency_seconds   histograms
+    vllm:num_requests_running, vllm:num_requests_waiting, vllm:kv_cache_usage_perc   gauges
+    kvconnect_connector_loaded_tokens_total                        prompt tokens a KV
+                                                                   connector loaded
+    kvconnect_kv_events_total, kvconnect_kv_event_batches_*        the event stream
+    kvconnect_connector_<stat>                                     the connector's own stats
+
+Every metric has vLLM's `model_name` label. Counters are updated by the engine thread as
+requests finish; gauges are read from the engine when scraped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from kvconnect.engine.llm import LLM
+from kvconnect.engine.request import Request
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80)
+
+
+class ServeMetrics:
+    def __init__(self, llm: LLM, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        self.model_name = model_name
+        labels = ["model_name"]
+
+        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
+            return Counter(name, doc, [*labels, *extra], registry=self.registry)
+
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens processed.")
+        self.generation_tokens = counter("vllm:generation_tokens", "Tokens generated.")
+        self.cache_queries = counter(
+            "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
+        )
+        self.cache_hits = counter(
+            "vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache."
+        )
+        self.loaded_tokens = counter(
+            "kvconnect_connector_loaded_tokens", "Prompt tokens a KV connector loaded."
+        )
+        self.success = counter(
+            "vllm:request_success", "Finished requests.", extra=("finished_reason",)
+        )
+        self.ttft = Histogram(
+            "vllm:time_to_first_token_seconds",
+            "Time to the first generated token.",
+            labels,
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.e2e = Histogram(
+            "vllm:e2e_request_latency_seconds",
+            "Time from arrival to the last token.",
+            labels,
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.registry.register(_EngineGauges(llm, model_name))
+
+    def finished(self, request: Request, ttft: float | None, e2e: float) -> None:
+        """A request finished (called on the engine thread)."""
+        m = self.model_name
+        self.prompt_tokens.labels(m).inc(len(request.prompt_token_ids))
+        self.generation_tokens.labels(m).inc(len(request.output_token_ids))
+        self.cache_queries.labels(m).inc(len(request.prompt_token_ids))
+        self.cache_hits.labels(m).inc(request.num_cached_tokens or 0)
+        self.loaded_tokens.labels(m).inc(request.num_external_tokens)
+        self.success.labels(m, request.status.finish_reason or "unknown").inc()
+        if ttft is not None:
+            self.ttft.labels(m).observe(ttft)
+        self.e2e.labels(m).observe(e2e)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _EngineGauges(Collector):
+    """What the engine holds now, read at scrape time."""
+
+    def __init__(self, llm: LLM, model_name: str) -> None:
+        self.llm = llm
+        self.model_name = model_name
+
+    def collect(self) -> Iterator[Metric]:
+        sched, labels = self.llm.scheduler, [self.model_name]
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(name, doc, labels=["model_name"])
+            g.add_metric(labels, value)
+            return g
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            c = CounterMetricFamily(name, doc, labels=["model_name"])
+            c.add_metric(labels, value)
+            return c
+
+        yield gauge("vllm:num_requests_running", "Requests running.", len(sched.running))
+        yield gauge("vllm:num_requests_waiting", "Requests waiting.", len(sched.waiting))
+        yield gauge("vllm:kv_cache_usage_perc", "KV cache blocks in use (0-1).", sched.pool.usage)
+        yield counter(
+            "kvconnect_preemptions", "Requests preempted for blocks.", sched.stats.num_preemptions
+        )
+        yield counter(
+            "kvconnect_kv_events", "KV cache events published.", sched.stats.num_events_published
+        )
+        pub: Any = self.llm.publisher
+        for name, doc in (
+            ("num_published", "KV event batches published."),
+            ("num_dropped", "KV event batches not sent live (queue full; replayable)."),
+        ):
+            if hasattr(pub, name):
+                yield counter(f"kvconnect_kv_event_batches_{name[4:]}", doc, getattr(pub, name))
+        if hasattr(pub, "num_subscriptions"):
+            yield gauge(
+                "kvconnect_kv_event_subscriptions",
+                "Subscriptions of the live KV event stream.",
+                pub.num_subscriptions,
+            )
+        stats = sched.connector_stats
+        for key, value in sorted((stats.reduce() if stats is not None else {}).items()):
+            if isinstance(value, int | float):
+                yield counter(f"kvconnect_connector_{key}", f"Connector stat {key}.", value)

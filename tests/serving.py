@@ -1,0 +1,183 @@
+"""`kvconnect serve` and `kvconnect router` as the tests run them: real processes on loopback,
+ready when they print their ready line."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import random
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from tests.helpers import free_port
+
+READY_TIMEOUT_S = 120.0
+
+
+class Process:
+    """A kvconnect command whose stdout is read line by line (its ready line is the handshake)
+    and whose stderr (logs) goes to a file, shown when something fails."""
+
+    def __init__(self, args: list[str], log: Path) -> None:
+        self.args, self.log = args, log
+        self.proc: subprocess.Popen[str] | None = None
+        self.lines: queue.SimpleQueue[str | None] = queue.SimpleQueue()
+        self.ready_line = ""
+        self.ready_marker = "ready at"
+        self.seen: list[str] = []
+        """stdout up to the ready line."""
+
+    def start(self, timeout: float = READY_TIMEOUT_S) -> str:
+        """Start (or start again, after a kill) and wait for the ready line."""
+        self.lines = queue.SimpleQueue()
+        with open(self.log, "a") as err:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "kvconnect.cli", *self.args],
+                stdout=subprocess.PIPE,
+                stderr=err,
+                text=True,
+                start_new_session=True,
+            )
+        threading.Thread(target=self._read, args=(self.proc, self.lines), daemon=True).start()
+        while True:
+            try:
+                line = self.lines.get(timeout=timeout)
+            except queue.Empty:
+                raise AssertionError(f"no ready line in {timeout}s; log:\n{self.logs()}") from None
+            if line is None:
+                raise AssertionError(f"exited {self.proc.wait()} before ready:\n{self.logs()}")
+            self.seen.append(line)
+            if self.ready_marker in line:
+                self.ready_line = line
+                return line
+
+    @staticmethod
+    def _read(proc: subprocess.Popen[str], lines: queue.SimpleQueue[str | None]) -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.put(line.rstrip("\n"))
+        lines.put(None)
+
+    def output(self) -> str:
+        return "\n".join(self.seen)
+
+    def logs(self) -> str:
+        return self.log.read_text(errors="replace")[-4000:] if self.log.exists() else ""
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def kill(self) -> None:
+        if self.alive():
+            os.killpg(self.pid, signal.SIGKILL)
+            assert self.proc is not None
+            self.proc.wait()
+
+    def stop(self) -> int | None:
+        if self.proc is None:
+            return None
+        if self.alive():
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        return self.proc.returncode
+
+
+def serve_port(num_instances: int = 1) -> int:
+    """A free port p such that p+1..p+num_instances-1 and their derived event ports (+10000,
+    +20000, see kvconnect.startup) are free too. OS-chosen ports are often above 45535, so this
+    probes from random bases."""
+    for _ in range(500):
+        port = random.randrange(20000, 45000 - num_instances)
+        try:
+            for base in range(port, port + num_instances):
+                for p in (base, base + 10000, base + 20000):
+                    with socket.socket() as s:
+                        s.bind(("127.0.0.1", p))
+        except OSError:
+            continue
+        return port
+    raise RuntimeError("no free port with free derived event ports")
+
+
+class Serve(Process):
+    """`kvconnect serve --model tiny` with KV events on (addresses derived from its port)."""
+
+    def __init__(self, tmp: Path, *extra: str, model: str = "tiny") -> None:
+        self.port = serve_port()
+        super().__init__(
+            [
+                "serve",
+                "--model",
+                model,
+                "--port",
+                str(self.port),
+                "--kv-events-config",
+                json.dumps({"enable_kv_cache_events": True}),
+                *extra,
+            ],
+            tmp / f"serve-{self.port}.log",
+        )
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def instance(self) -> str:
+        """This instance as `kvconnect router --instance` takes it."""
+        return f"{self.url},tcp://127.0.0.1:{self.port + 10000},tcp://127.0.0.1:{self.port + 20000}"
+
+
+class RouterProcess(Process):
+    def __init__(self, tmp: Path, instances: list[Serve], *extra: str) -> None:
+        self.port = free_port()
+        args = ["router", "--model", "tiny", "--port", str(self.port)]
+        for s in instances:
+            args += ["--instance", s.instance]
+        super().__init__([*args, *extra], tmp / f"router-{self.port}.log")
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+def get(url: str, timeout: float = 10.0) -> tuple[int, Any]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            body = resp.read()
+            status = resp.status
+    except urllib.error.HTTPError as e:
+        body, status = e.read(), e.code
+    try:
+        return status, json.loads(body)
+    except ValueError:
+        return status, body.decode(errors="replace")
+
+
+def post(url: str, body: bytes | dict[str, Any], timeout: float = 60.0) -> tuple[int, Any, Any]:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            raw, status, headers = resp.read(), resp.status, resp.headers
+    except urllib.error.HTTPError as e:
+        raw, status, headers = e.read(), e.code, e.headers
+    try:
+        return status, json.loads(raw), headers
+    except ValueError:
+        return status, raw.decode(errors="replace"), headers
