@@ -10,7 +10,7 @@ in the text, so each step the engine decodes every running request's output here
 While a request runs, its last `max(len(stop)) - 1` characters are held back from streaming:
 they might yet become the start of a stop string, which the client must never see. A
 character that the tokenizer cannot complete yet (half a UTF-8 sequence, shown as U+FFFD) is
-held back too.
+held back too, and the holdback counts from before it.
 """
 
 from __future__ import annotations
@@ -38,9 +38,10 @@ class RequestState:
         """Text not handed out before that can no longer change or turn into a stop string."""
         end = len(self.text)
         if not self.request.status.is_finished:
-            end = max(self.num_sent, end - self._holdback)
             while end > self.num_sent and self.text[end - 1] == "\ufffd":
                 end -= 1  # an incomplete character: wait for the rest of its bytes
+            # ...and hold back before it: with it, they may yet make a stop string.
+            end = max(self.num_sent, end - self._holdback)
         delta, self.num_sent = self.text[self.num_sent : end], end
         return delta
 
@@ -60,8 +61,11 @@ class OutputProcessor:
         text = self.tokenizer.decode(req.output_token_ids)
         stops = req.sampling_params.stop
         if stops and state.stop_reason is None:
-            # Only the new tail can hold a stop string that was not there before.
-            start = max(0, len(state.text) - max(len(s) for s in stops))
+            # Only the new tail can hold a stop string that was not there before. The text
+            # before it is stable up to its first incomplete character (which may yet merge).
+            pending = state.text.find("\ufffd")
+            stable = len(state.text) if pending < 0 else pending
+            start = max(0, stable - max(len(s) for s in stops) + 1)
             hits = [(i, s) for s in stops if (i := text.find(s, start)) >= 0]
             if hits:
                 cut, stop = min(hits)

@@ -1,0 +1,93 @@
+"""Output text: stop strings found across token boundaries and cut, text held back while it
+could still become a stop string or an incomplete character; sampling's top-k and top-p."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvconnect.engine.output import OutputProcessor, RequestState
+from kvconnect.engine.request import Request, RequestStatus, SamplingParams
+from kvconnect.engine.worker import sample
+from kvconnect.messages import ScheduledRequest
+from kvconnect.tokenizer import ByteTokenizer
+
+
+def run(tokens: list[int], stop: tuple[str, ...] = ()) -> tuple[RequestState, list[str]]:
+    """Feed `tokens` one step at a time; the deltas streamed and the final state."""
+    processor = OutputProcessor(ByteTokenizer())
+    req = Request("r", [1], SamplingParams(max_tokens=len(tokens), stop=stop), block_size=16)
+    state = processor.add(req)
+    deltas = []
+    for t in tokens:
+        req.append_output_token(t)
+        if processor.update(state):
+            req.status = RequestStatus.FINISHED_STOPPED
+        elif (status := req.check_stop()) is not None:
+            req.status = status
+        deltas.append(state.take_delta())
+        if req.status.is_finished:
+            break
+    return state, deltas
+
+
+def test_a_stop_string_split_across_tokens_is_cut_and_never_streamed() -> None:
+    state, deltas = run(list(b"The end.\n\nMore"), stop=("\n\n",))
+    assert state.text == "The end." and state.stop_reason == "\n\n"
+    assert "".join(deltas) == "The end."
+    assert state.request.status is RequestStatus.FINISHED_STOPPED
+
+
+def test_the_holdback_streams_everything_once_no_stop_can_start() -> None:
+    state, deltas = run(list(b"abcabd"), stop=("abd!",))
+    assert state.stop_reason is None and "".join(deltas) == "abcabd"
+    assert deltas[:3] == ["", "", ""]  # "abc" could still be the start of "abd!"...
+    assert deltas[3] == "a"  # ...until it cannot
+
+
+def test_an_incomplete_character_waits_for_its_bytes() -> None:
+    _, deltas = run(list("a€b".encode()))  # € is three bytes
+    assert deltas == ["a", "", "", "€", "b"]
+    assert "\ufffd" not in "".join(deltas)
+
+
+def test_a_stop_string_after_a_character_that_completes_late() -> None:
+    state, deltas = run(list("x€y".encode()), stop=("€",))
+    assert state.text == "x" and state.stop_reason == "€" and "".join(deltas) == "x"
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.text(alphabet="ab\n€", max_size=30),
+    st.lists(st.text("ab\n€", min_size=1, max_size=3), max_size=3),
+)
+def test_streamed_text_is_the_text_cut_at_the_first_stop_to_complete(
+    text: str, stops: list[str]
+) -> None:
+    state, deltas = run(list(text.encode()) or [ord("z")], stop=tuple(stops))
+    full = text or "z"
+    expected = full
+    for end in range(1, len(full) + 1):  # the first stop to be complete wins, as in vLLM
+        found = [full.find(s, 0, end) for s in stops if s in full[:end]]
+        if found:
+            expected = full[: min(found)]
+            break
+    assert state.text == expected and "".join(deltas) == expected
+
+
+def scheduled(**kw: object) -> ScheduledRequest:
+    fields = {"request_id": "r", "token_ids": [1], "start_position": 0, "block_ids": [0]}
+    return ScheduledRequest(**{**fields, "seed": 3, **kw})  # type: ignore[arg-type]
+
+
+def test_top_k_one_and_a_tiny_top_p_are_greedy_and_seeds_repeat() -> None:
+    logits = torch.randn(300, generator=torch.Generator().manual_seed(0))
+    best = int(logits.argmax())
+    for s in (scheduled(temperature=1.0, top_k=1), scheduled(temperature=1.0, top_p=1e-6)):
+        assert {sample(logits, s) for _ in range(20)} == {best}
+    top5 = set(logits.topk(5).indices.tolist())
+    picks = {sample(logits, scheduled(temperature=5.0, top_k=5, seed=i)) for i in range(200)}
+    assert picks <= top5 and len(picks) > 1
+    s = scheduled(temperature=1.0, seed=11)
+    assert sample(logits, s) == sample(logits, s)
