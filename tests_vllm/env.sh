@@ -43,6 +43,14 @@ if ! [ -x "$py" ] || ! "$py" -c "$check" 2>/dev/null; then
   "$py" -c "$check"
 fi
 
+# kvconnect's vLLM plugin entry point (pyproject.toml) exists once kvconnect is installed; an
+# environment built before it was declared gets it by reinstalling kvconnect (seconds).
+plugin='import sys; from importlib.metadata import entry_points as e; \
+sys.exit(not [p for p in e(group="vllm.general_plugins") if p.value.startswith("kvconnect.")])'
+if ! "$py" -c "$plugin"; then
+  "$py" -m pip install -q --no-deps -e "$repo"
+fi
+
 model=$dir/smollm2-135m
 if ! [ -f "$model/model.safetensors" ]; then
   echo "# converting SmolLM2-135M-Instruct to $model (about 40 s)"

@@ -91,6 +91,8 @@ class KVConnectorContext:
     """Block hash seed string; None is vLLM's rule (`kvconnect.hashing.resolve_seed`)."""
     data_parallel_rank: int = 0
     """Which data-parallel engine this is."""
+    int_block_hashes: bool = True
+    """Events carry block hashes as 64-bit ints (vLLM's default) or as raw digests."""
 
     def __post_init__(self) -> None:
         if self.world_size < 1:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import msgspec
 
@@ -52,7 +52,7 @@ class KVEventsWorkerMetadata(KVConnectorWorkerMetadata):
         merged = {rank: list(events) for rank, events in self.events_by_rank.items()}
         for rank, events in other.events_by_rank.items():
             merged.setdefault(rank, []).extend(events)
-        return KVEventsWorkerMetadata(merged)
+        return replace(self, events_by_rank=merged)  # a subclass keeps its type and fields
 
     @property
     def num_events(self) -> int:

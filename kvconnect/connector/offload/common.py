@@ -16,8 +16,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvconnect.connector.events import KVEventsWorkerMetadata
 from kvconnect.events import ExternalBlockHash
-from kvconnect.messages import KVConnectorMetadata
+from kvconnect.messages import KVConnectorMetadata, KVConnectorWorkerMetadata
 
 TIER_KINDS = ("cpu", "disk", "redis")
 
@@ -139,3 +140,17 @@ class OffloadMetadata(KVConnectorMetadata):
     saves: list[SaveSpec] = field(default_factory=list)
     loads: list[LoadSpec] = field(default_factory=list)
     reset: bool = False
+
+
+@dataclass
+class OffloadWorkerMetadata(KVEventsWorkerMetadata):
+    """Worker -> scheduler: the step's tier events per rank, and each rank's I/O jobs still
+    queued or running (so the scheduler knows whether events are still to come)."""
+
+    pending_io: dict[int, int] = field(default_factory=dict)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> OffloadWorkerMetadata:
+        merged = super().aggregate(other)
+        assert isinstance(merged, OffloadWorkerMetadata)
+        merged.pending_io = {**self.pending_io, **getattr(other, "pending_io", {})}
+        return merged

@@ -30,6 +30,7 @@ from kvconnect.connector.offload.common import (
     LoadSpec,
     OffloadConfig,
     OffloadMetadata,
+    OffloadWorkerMetadata,
     SaveSpec,
     chunk_key,
 )
@@ -71,6 +72,13 @@ class OffloadScheduler:
         self._tracked: dict[str, _Tracked] = {}
         self._ready: list[KVCacheEvent] = []
         self._reset = False
+        self.pending_io: dict[int, int] = {}  # rank -> I/O jobs it last reported
+        # Work given to the workers and no output seen since; at start, the workers' tiers
+        # announce what they already hold (a disk tier after a restart).
+        self._unreported = True
+
+    def _wire(self, block_hash: bytes) -> int | bytes:
+        return to_wire(block_hash, as_int=self.context.int_block_hashes)
 
     def chunk_info(
         self, token_ids: list[int], block_hashes: list[bytes], i: int, cache_salt: str | None
@@ -78,7 +86,8 @@ class OffloadScheduler:
         """Chunk i of a request, described as its KV events will describe it."""
         per = self.config.blocks_per_chunk
         hashes = block_hashes[i * per : (i + 1) * per]
-        parent = to_wire(block_hashes[i * per - 1]) if i else None
+        wire = self._wire
+        parent = wire(block_hashes[i * per - 1]) if i else None
         c = self.config.chunk_size
         keys = tuple(
             to_event(request_extra_keys(b, cache_salt=cache_salt))
@@ -86,7 +95,7 @@ class OffloadScheduler:
         )
         return ChunkInfo(
             hashes[-1],
-            tuple(to_wire(h) for h in hashes),
+            tuple(wire(h) for h in hashes),
             parent,
             tuple(token_ids[i * c : (i + 1) * c]),
             self.context.block_size,
@@ -105,7 +114,7 @@ class OffloadScheduler:
             return 0, False
         last = [request.block_hashes[(i + 1) * per - 1] for i in range(max_chunks)]
         num = 0
-        while num < max_chunks and self.held.get(to_wire(last[num])):
+        while num < max_chunks and self.held.get(self._wire(last[num])):
             num += 1
         if num < max_chunks and self.lookup is not None:
             chunks = [self._rank_keys(h) for h in last[num:]]
@@ -155,6 +164,7 @@ class OffloadScheduler:
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> OffloadMetadata:
         meta = OffloadMetadata(loads=self._loads, reset=self._reset)
         self._loads, self._reset = [], False
+        self._unreported = self._unreported or bool(meta.loads or meta.reset)
         for new in scheduler_output.scheduled_new_reqs:
             self._tracked[new.request_id] = _Tracked(
                 list(new.all_token_ids), list(new.block_hashes), new.cache_salt
@@ -173,6 +183,7 @@ class OffloadScheduler:
                 )
                 meta.saves.append(SaveSpec(info, list(s.block_ids[i * per : (i + 1) * per])))
                 tracked.next_chunk += 1
+        self._unreported = self._unreported or bool(meta.saves)
         return meta
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
@@ -180,6 +191,9 @@ class OffloadScheduler:
         if meta is not None and not isinstance(meta, KVEventsWorkerMetadata):
             raise TypeError(f"OffloadConnector got {type(meta).__name__} worker metadata")
         self.quorum.update(meta)
+        self._unreported = False
+        if isinstance(meta, OffloadWorkerMetadata):
+            self.pending_io.update(meta.pending_io)
         for event in self.quorum.take_events():
             self._track(event)
             self._ready.append(event)
@@ -196,6 +210,11 @@ class OffloadScheduler:
                 media.discard(event.medium)
                 if not media:
                     del self.held[chunk]
+
+    def has_pending_work(self) -> bool:
+        """Whether the workers may still report events for work already given to them: the
+        engine should keep stepping (even idle) until they have."""
+        return self._unreported or any(self.pending_io.values()) or self.quorum.num_pending > 0
 
     def take_events(self) -> list[KVCacheEvent]:
         ready, self._ready = self._ready, []

@@ -24,12 +24,12 @@ from typing import Any
 import torch
 
 from kvconnect.connector.base import KVConnectorContext, KVConnectorStats
-from kvconnect.connector.events import KVEventsWorkerMetadata
 from kvconnect.connector.offload.common import (
     ChunkInfo,
     LoadSpec,
     OffloadConfig,
     OffloadMetadata,
+    OffloadWorkerMetadata,
     chunk_key,
 )
 from kvconnect.connector.offload.tiers import TierPlacement, create_tier
@@ -81,6 +81,9 @@ class OffloadWorker:
         self._written_shared: set[str] = set()  # keys this rank put in shared tiers
         self._resets = 0
         self._busy = False
+        self._reported_pending = 0
+        self.metadata_class: type[OffloadWorkerMetadata] = OffloadWorkerMetadata
+        """What `build_connector_worker_meta` builds (an engine may need its own subclass)."""
         self._stop = False
         self._thread: threading.Thread | None = None
 
@@ -147,10 +150,16 @@ class OffloadWorker:
             errors, self._load_errors = self._load_errors, set()
         return errors
 
-    def build_connector_worker_meta(self) -> KVEventsWorkerMetadata | None:
+    def build_connector_worker_meta(self) -> OffloadWorkerMetadata | None:
+        """The events since the last call, and how many I/O jobs are left (sent whenever it
+        is not zero or has just become zero)."""
         with self._lock:
             events, self._events = self._events, []
-        return KVEventsWorkerMetadata.from_rank(self.rank, events) if events else None
+            pending = len(self._loads) + len(self._stores) + self._busy + self._resets
+        if not events and pending == self._reported_pending == 0:
+            return None
+        self._reported_pending = pending
+        return self.metadata_class({self.rank: events}, {self.rank: pending})
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         with self._lock:
@@ -242,8 +251,9 @@ class OffloadWorker:
                 self._count(f"num_{tier.kind}_errors")
             return
         self._emit(stored_event(info, tier.medium))
-        if tier.shared:
-            with self._lock:
+        with self._lock:
+            self._count(f"{tier.kind}_bytes_stored", data.numel() * data.element_size())
+            if tier.shared:
                 self._written_shared.add(key)
         self._evicted(index, evicted)
 
@@ -295,6 +305,9 @@ class OffloadWorker:
                 continue
             if data is None:
                 continue
+            with self._lock:
+                self._count(f"{tier.kind}_hits")
+                self._count(f"{tier.kind}_bytes_loaded", data.numel() * data.element_size())
             if local and i != local[0]:  # a hit further down moves up
                 self._put(local[0], key, info, data.clone())
             return data

@@ -19,6 +19,7 @@ from kvconnect.connector import (
     SchedulerOutput,
 )
 from kvconnect.connector.aggregator import KVOutputAggregator
+from kvconnect.connector.offload.common import OffloadWorkerMetadata
 from kvconnect.connector.offload.connector import OffloadConnector
 from kvconnect.connector.step import run_worker_step
 from kvconnect.events import BlockRemoved, BlockStored
@@ -210,3 +211,52 @@ def test_a_disk_hit_is_promoted_back_into_the_cpu_tier(tmp_path: Path) -> None:
         assert loop.events[0].block_hashes[-1] == int.from_bytes(a_chunk[-8:], "big")
     finally:
         loop.shutdown()
+
+
+def test_the_scheduler_knows_while_the_workers_still_owe_events(tmp_path: Path) -> None:
+    """`has_pending_work` (vLLM's `has_pending_push_work`): true at start (the tiers announce
+    what they hold), while saves are queued or running on any rank, false once every rank
+    reported them and the quorum released their events."""
+    loop = Loop([{"kind": "cpu", "max_bytes": 1 << 20}])
+    sched = loop.sched.scheduler
+    assert sched is not None
+    try:
+        assert sched.has_pending_work()
+        loop.step()
+        assert not sched.has_pending_work()
+        out = SchedulerOutput()
+        tokens = list(range(17))
+        hashes = block_hashes(tokens, BS)
+        ids = loop.blocks(5)
+        out.scheduled_new_reqs.append(NewRequestData("a", tokens, hashes, ids))
+        out.scheduled.append(ScheduledRequest("a", tokens, 0, ids, sample=True))
+        meta = sched.build_connector_meta(out)
+        assert len(meta.saves) == 2 and sched.has_pending_work()  # sent, nothing heard yet
+        outputs = []
+        for w in loop.workers:
+            _, output = run_worker_step(w, roundtrip(meta), set(), lambda _hooks: None)
+            outputs.append(roundtrip(output))
+        agg = loop.aggregator.aggregate(outputs)
+        sched.update_connector_output(agg)
+        reported = agg.kv_connector_worker_meta
+        assert isinstance(reported, OffloadWorkerMetadata)
+        if any(reported.pending_io.values()):  # the I/O threads had not finished yet
+            assert sched.has_pending_work()
+        for w in loop.workers:
+            assert w.worker is not None and w.worker.drain()
+        loop.step()  # the ranks report their stores and pending_io 0
+        assert not sched.has_pending_work()
+        assert (
+            len([e for e in sched.take_events() + loop.events if isinstance(e, BlockStored)]) == 2
+        )
+    finally:
+        loop.shutdown()
+
+
+def test_worker_metadata_folds_events_and_pending_io_per_rank() -> None:
+    e0, e1 = BlockRemoved([1], "CPU"), BlockRemoved([2], "CPU")
+    folded = OffloadWorkerMetadata({0: [e0]}, {0: 2}).aggregate(
+        OffloadWorkerMetadata({1: [e1]}, {1: 0})
+    )
+    assert isinstance(folded, OffloadWorkerMetadata)
+    assert folded.events_by_rank == {0: [e0], 1: [e1]} and folded.pending_io == {0: 2, 1: 0}

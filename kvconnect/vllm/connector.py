@@ -1,0 +1,231 @@
+"""`OffloadConnector` for vLLM: kvconnect's offload connector (cpu, disk, redis tiers) as a
+vLLM V1 KV connector, loaded by vLLM from `kv_connector_module_path`:
+
+    vllm serve MODEL --kv-transfer-config '{"kv_connector": "OffloadConnector",
+        "kv_connector_module_path": "kvconnect.vllm", "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"chunk_size": 256, "tiers": [...]}}'
+
+The halves are kvconnect's own (`connector/offload/scheduler.py`, `worker.py`); `adapter.py`
+translates vLLM's objects. What it adds for vLLM:
+
+    events    the workers' tier events travel in this connector's KVConnectorWorkerMetadata
+              (vLLM folds it across TP ranks with `aggregate`), are released by quorum in the
+              scheduler and returned from `take_events`, so vLLM's publisher sends them with
+              vLLM's own GPU events; inside vLLM's MultiConnector they still arrive, as each
+              child's metadata is routed back to it. `get_kv_connector_kv_cache_events` is
+              not used.
+    loads     async: a request waits in WAITING_FOR_REMOTE_KVS while the workers' I/O threads
+              fill its blocks; a request that finishes (an abort) while its load runs keeps
+              its blocks until the load is done (`request_finished` -> True).
+    idle      `has_pending_push_work` keeps vLLM stepping while stores are still running,
+              so their events are published without new traffic.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from kvconnect.connector.offload.common import OffloadConfig, OffloadMetadata
+from kvconnect.connector.offload.scheduler import OffloadScheduler
+from kvconnect.connector.offload.worker import OffloadWorker
+from kvconnect.vllm.adapter import (
+    OffloadPromMetrics,
+    OffloadStats,
+    OffloadWorkerMetadataForVllm,
+    canonical_kv_view,
+    check_version,
+    connector_context,
+    connector_output,
+    scheduler_output,
+    to_vllm_event,
+)
+
+logger = logging.getLogger(__name__)
+
+
+def _log_like_vllm() -> None:
+    """kvconnect's log lines (tier warnings, the connector's start line) through vLLM's own
+    handlers, so they appear in vLLM's log in its format."""
+    ours, theirs = logging.getLogger("kvconnect"), logging.getLogger("vllm")
+    if not ours.handlers and theirs.handlers:
+        for handler in theirs.handlers:
+            ours.addHandler(handler)
+        ours.setLevel(theirs.level)
+        ours.propagate = False
+
+
+_log_like_vllm()
+
+_HIT_SOURCES = {
+    "cpu": CacheHitSource.HOST,
+    "disk": CacheHitSource.DISK,
+    "redis": CacheHitSource.EXTERNAL_UNSPECIFIED,
+}
+
+
+class OffloadConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
+        super().__init__(vllm_config, role, kv_cache_config)
+        check_version()
+        context = connector_context(vllm_config, role)
+        self.config = OffloadConfig.from_extra_config(
+            context.kv_transfer_config.kv_connector_extra_config, context.block_size
+        )
+        # Hits are credited to the first tier, where a load is most often served from.
+        self._cache_hit_source = _HIT_SOURCES[self.config.tiers[0].kind]
+        self.scheduler: OffloadScheduler | None = None
+        self.worker: OffloadWorker | None = None
+        self._requests: dict[str, Any] = {}  # vLLM Requests whose chunks are saved
+        self._loading: set[str] = set()  # requests whose load the workers still run
+        if role == KVConnectorRole.SCHEDULER:
+            if vllm_config.kv_transfer_config.kv_load_failure_policy != "recompute":
+                logger.warning(
+                    "kvconnect OffloadConnector: kv_load_failure_policy is %r, so a chunk that "
+                    "cannot be loaded (a tier down, an entry evicted) fails its request; "
+                    'set "kv_load_failure_policy": "recompute" to recompute it instead',
+                    vllm_config.kv_transfer_config.kv_load_failure_policy,
+                )
+            self.scheduler = OffloadScheduler(context, self.config)
+        else:
+            self.worker = OffloadWorker(context, self.config)
+            self.worker.metadata_class = OffloadWorkerMetadataForVllm
+        logger.info(
+            "kvconnect OffloadConnector (%s, rank %d of %d): chunk %d tokens, tiers %s",
+            role.name.lower(),
+            context.rank,
+            context.world_size,
+            self.config.chunk_size,
+            ", ".join(t.kind for t in self.config.tiers),
+        )
+
+    def _sched(self) -> OffloadScheduler:
+        if self.scheduler is None:
+            raise RuntimeError("OffloadConnector: a scheduler-side call on a worker instance")
+        return self.scheduler
+
+    def _work(self) -> OffloadWorker:
+        if self.worker is None:
+            raise RuntimeError("OffloadConnector: a worker-side call on a scheduler instance")
+        return self.worker
+
+    def _meta(self) -> OffloadMetadata:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, OffloadMetadata)
+        return meta
+
+    # -- worker side ---------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        bs = self.config.block_size
+        views = {name: canonical_kv_view(name, kv, bs) for name, kv in kv_caches.items()}
+        self._work().register_kv_caches(views)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        self._work().start_load_kv(self._meta())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None  # loads are asynchronous: they finish before the request's first forward
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        return None  # whole chunks are copied out in wait_for_save
+
+    def wait_for_save(self) -> None:
+        self._work().wait_for_save(self._meta())
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return None, self._work().get_finished()
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._work().get_block_ids_with_load_errors()
+
+    def get_kv_connector_stats(self) -> OffloadStats | None:
+        if self.worker is None:
+            return None
+        stats = self.worker.get_kv_connector_stats()
+        return OffloadStats(dict(stats.data)) if stats is not None else None
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        meta = self._work().build_connector_worker_meta()
+        assert meta is None or isinstance(meta, KVConnectorWorkerMetadata)
+        return meta
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> OffloadStats:
+        return OffloadStats(dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: Any,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> OffloadPromMetrics:
+        return OffloadPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    def shutdown(self) -> None:
+        if self.worker is not None:
+            self.worker.shutdown()
+        if self.scheduler is not None:
+            self.scheduler.shutdown()
+
+    # -- scheduler side ------------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        return self._sched().get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        self._requests[request.request_id] = request
+        block_ids = list(blocks.get_block_ids()[0])
+        self._sched().update_state_after_alloc(request, block_ids, num_external_tokens)
+        if num_external_tokens > 0:
+            self._loading.add(request.request_id)
+
+    def build_connector_meta(self, scheduler_output_: Any) -> KVConnectorMetadata:
+        out = scheduler_output(scheduler_output_, self._requests, self._kv_cache_manager)
+        meta = self._sched().build_connector_meta(out)
+        return _VllmMetadata.wrap(meta)
+
+    def update_connector_output(self, connector_output_: Any) -> None:
+        self._loading -= connector_output_.finished_recving or set()
+        self._sched().update_connector_output(connector_output(connector_output_))
+
+    def request_finished(
+        self, request: Any, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        self._requests.pop(request.request_id, None)
+        self._sched().request_finished(request)
+        # A load still writing into its blocks: vLLM frees them when it reports finished.
+        return request.request_id in self._loading, None
+
+    def take_events(self) -> list[Any]:
+        return [to_vllm_event(e) for e in self._sched().take_events()]
+
+    def has_pending_push_work(self) -> bool:
+        return self.scheduler is not None and self.scheduler.has_pending_work()
+
+    def reset_cache(self) -> bool | None:
+        return self._sched().reset_cache()
+
+
+class _VllmMetadata(OffloadMetadata, KVConnectorMetadata):
+    """kvconnect's step metadata (saves, loads, reset) as vLLM's type."""
+
+    @classmethod
+    def wrap(cls, meta: OffloadMetadata) -> _VllmMetadata:
+        return cls(saves=meta.saves, loads=meta.loads, reset=meta.reset)
