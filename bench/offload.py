@@ -3,7 +3,9 @@
 Prints one line: store and load GB/s of the cpu, disk and redis tiers for 1 MiB chunks (the
 tiny model's 256-token chunk), beside a plain `copy_` between preallocated tensors, a plain file
 write/read of the same bytes, and plain pipelined redis SET/GET of the same values; then the
-TTFT of a 4,096-token prompt recomputed vs loaded from each tier (tiny model, TP=1).
+TTFT of a 4,096-token prompt recomputed vs loaded from each tier (tiny model, TP=1); then the
+redis tier's eviction watcher (bench/redis_watch.py): notifications handled per second beside a
+bare pub/sub loop, and the lag from an eviction to its BlockRemoved at a subscriber.
 """
 
 from __future__ import annotations
@@ -25,6 +27,11 @@ from kvconnect.connector.offload.tiers.cpu import CpuTier
 from kvconnect.connector.offload.tiers.disk import DiskTier
 from kvconnect.connector.offload.tiers.redis import RedisTier
 from kvconnect.redis_server import LocalRedis
+
+try:  # run as `python bench/offload.py`: redis_watch sits beside it
+    from redis_watch import measure as redis_watch
+except ImportError:  # imported as bench.offload
+    from bench.redis_watch import measure as redis_watch
 
 SHAPE = (4, 2, 256, 4, 32)  # tiny model, TP=1: 1 MiB of float32
 NUM = 64
@@ -142,7 +149,7 @@ def main() -> None:
         loads = " ".join(f"{k} {loaded * 1000:.0f}" for k, (_, loaded) in times.items())
         print(
             f"offload (1 MiB chunks): {rates}; TTFT 4096-token prompt recompute "
-            f"{cold * 1000:.0f} ms vs loaded ms: {loads}"
+            f"{cold * 1000:.0f} ms vs loaded ms: {loads}; {redis_watch()}"
         )
     finally:
         server.stop()

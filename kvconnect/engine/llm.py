@@ -313,6 +313,15 @@ class LLM:
             self.step()  # carry the reset to the workers now
         return ok
 
+    def reset_connector_cache(self) -> bool:
+        """Empty only the connector's tiers (the engine's own cache stays); what they held is
+        announced as removed, tier by tier. False without a connector."""
+        if self.connector is None:
+            return False
+        ok = self.connector.reset_cache() is not False
+        self.step()  # carry the reset to the workers now
+        return ok
+
     def shutdown(self, timeout: float = 5.0) -> None:
         if self._closed:
             return

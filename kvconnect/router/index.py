@@ -30,7 +30,7 @@ Single-threaded: the router serialises `apply_*` and `score` itself.
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -111,6 +111,11 @@ class IndexStats:
     entries_evicted: int = 0
     unmatched_removals: int = 0
     hash_mismatches: int = 0
+    removed: Counter[str] = field(default_factory=Counter)
+    """Entries taken back by BlockRemoved events, per medium."""
+    stale: Counter[str] = field(default_factory=Counter)
+    """Entries found stale by a load miss (`mark_stale`), per medium: what an instance lost
+    without an event saying so."""
 
 
 class BlockIndex:
@@ -222,6 +227,7 @@ class BlockIndex:
         if holders is None or count is None:
             self.stats.unmatched_removals += 1
             return
+        self.stats.removed[key[2]] += 1
         if count > 1:
             holders[key] = count - 1
         else:
@@ -376,6 +382,55 @@ class BlockIndex:
                 tiers[slot][b[1]] = tiers[slot].get(b[1], 0) + 1
             alive = still
         return {s: PrefixScore(counts[s], weighted[s], tiers[s]) for s in slots}
+
+    def mark_stale(
+        self,
+        instance: str,
+        token_ids: Sequence[int],
+        num_cached_tokens: int,
+        cache_salt: str | None = None,
+    ) -> int:
+        """`instance` answered a request computing only `num_cached_tokens` of its prompt from
+        cache, fewer than the index credited it with: the credited blocks after those are not
+        there (a load miss; an eviction nobody announced). Drop its entries for them, and the
+        shared (EXTERNAL) ones, since a miss there means the store lost them. The prompt's
+        last token is always computed, so its block is never counted against the instance.
+        Returns the entries dropped."""
+        inst = self.instances.get(instance)
+        if inst is None or inst.block_size is None:
+            return 0
+        rk = inst.router_keys
+        scheme = rk.scheme if rk is not None else inst.scheme or self.scheme
+        bs = inst.block_size
+        hashes = scheme.wire_hashes(token_ids, bs, cache_salt=cache_salt)
+        usable = min(len(hashes), max(0, len(token_ids) - 1) // bs)
+        credited = self._score_slots(hashes[:usable], [inst.slot])[inst.slot].num_blocks
+        dropped = 0
+        gens = [i.generation for i in self._by_slot]
+        for h in hashes[num_cached_tokens // bs : credited]:
+            holders = self._entries.get(h)
+            if holders is None:
+                continue
+            for key in list(holders):
+                slot, gen, medium = key
+                mine = slot == inst.slot
+                if gens[slot] == gen and (
+                    mine or (medium == MEDIUM_EXTERNAL and self.external_shared)
+                ):
+                    del holders[key]
+                    self.stats.stale[medium] += 1
+                    dropped += 1
+            self._sweep(h, holders)
+        return dropped
+
+    def blocks_of(self, instance: str, medium: str) -> set[ExternalBlockHash]:
+        """Every block `instance` announced in `medium` and has not taken back (O(entries):
+        for tests and inspection, not the hot path)."""
+        inst = self.instances.get(instance)
+        if inst is None:
+            return set()
+        key = (inst.slot, inst.generation, medium)
+        return {h for h, holders in self._entries.items() if key in holders}
 
     def holders(self, h: ExternalBlockHash) -> dict[str, set[str]]:
         """The instances holding `h` and in which media (their own, not shared ones)."""

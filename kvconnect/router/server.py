@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import signal
 import threading
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -187,6 +188,7 @@ class RouterMetrics(Collector):
             num_entries = r.index.num_entries
             schemes = r.index.schemes()
             stale = sum(i.stale for i in r.index.instances.values())
+            removed_per_tier, stale_per_tier = dict(stats.removed), dict(stats.stale)
 
         def counter(name: str, doc: str, value: float) -> Metric:
             c = CounterMetricFamily(name, doc)
@@ -199,7 +201,7 @@ class RouterMetrics(Collector):
             return g
 
         def per(
-            name: str, doc: str, label: str, values: dict[str, float], kind: type[Any]
+            name: str, doc: str, label: str, values: Mapping[str, float], kind: type[Any]
         ) -> Metric:
             m: Metric = kind(name, doc, labels=[label])
             for key, value in sorted(values.items()):
@@ -255,6 +257,21 @@ class RouterMetrics(Collector):
             dict(r.hit_blocks),
             CounterMetricFamily,
         )
+        yield per(
+            "kvconnect_router_index_removed",
+            "Index entries taken back by BlockRemoved events, by tier.",
+            "tier",
+            removed_per_tier,
+            CounterMetricFamily,
+        )
+        yield per(
+            "kvconnect_router_index_stale",
+            "Index entries found stale by a load miss (an instance computed fewer cached "
+            "tokens than the index credited it), by tier.",
+            "tier",
+            stale_per_tier,
+            CounterMetricFamily,
+        )
         info = GaugeMetricFamily(
             "kvconnect_router_instance_hash_scheme",
             "The hash scheme learned from each instance's stream (1 per instance).",
@@ -302,7 +319,15 @@ def make_app(router: Router) -> web.Application:
             http["instance"] = instance.name
             router.in_flight[instance.name] += 1
             try:
-                return await _forward(http, state["session"], instance, raw, router, score)
+                return await _forward(
+                    http,
+                    state["session"],
+                    instance,
+                    raw,
+                    router,
+                    score,
+                    stale_check(req, token_ids),
+                )
             except _Unreachable as e:
                 logger.warning("router: %s unreachable (%s); trying another", instance.name, e)
                 router.mark_down(instance.name, f"forward failed: {e}")
@@ -389,6 +414,44 @@ def make_app(router: Router) -> web.Application:
     return app
 
 
+StaleCheck = tuple[list[int], str | None]
+"""(prompt token ids, cache salt): what to check an answer's cached tokens against."""
+MAX_CHECKED_BODY = 1 << 20
+
+
+def stale_check(
+    req: CompletionRequest | ChatCompletionRequest, token_ids: list[int]
+) -> StaleCheck | None:
+    """A request whose usage speaks of one prompt (chat, or a single completion prompt)."""
+    if isinstance(req, CompletionRequest) and len(req.prompts()) != 1:
+        return None
+    return token_ids, req.cache_salt
+
+
+def check_cached(
+    router: Router, name: str, score: PrefixScore, check: StaleCheck, body: bytes
+) -> None:
+    """The instance's own count of cached prompt tokens against what the index credited it:
+    fewer means the index holds entries the instance no longer has (`BlockIndex.mark_stale`)."""
+    try:
+        usage = json.loads(body).get("usage") or {}
+        cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+    except (ValueError, TypeError, AttributeError):
+        return
+    if cached < score.num_tokens:
+        with router.lock:
+            dropped = router.index.mark_stale(name, check[0], cached, check[1])
+        if dropped:
+            logger.info(
+                "router: %s computed %d cached prompt tokens where the index said %d; "
+                "dropped %d stale entries",
+                name,
+                cached,
+                score.num_tokens,
+                dropped,
+            )
+
+
 class _Unreachable(Exception):
     """The instance failed before answering: the request may go to another one."""
 
@@ -416,10 +479,12 @@ async def _forward(
     raw: bytes,
     router: Router,
     score: PrefixScore,
+    check: StaleCheck | None = None,
 ) -> web.StreamResponse:
     """Relay one request and its (possibly streamed) answer. Once the answer has begun, a
     failure cannot move the request elsewhere: an instance dying mid-answer cuts the answer
-    short (and is logged), a client going away just ends the relay."""
+    short (and is logged), a client going away just ends the relay. A whole JSON answer's
+    usage is checked against the index (`check_cached`)."""
     upstream = await _post(session, instance.url + http.path, raw)
     async with upstream:
         router.decisions[instance.name] += 1
@@ -430,11 +495,20 @@ async def _forward(
             "x-kvconnect-instance": instance.name,
         }
         response = web.StreamResponse(status=upstream.status, headers=headers)
+        keep = check is not None and upstream.status == 200 and score.num_tokens > 0
+        keep = keep and headers["Content-Type"].startswith("application/json")
+        body: list[bytes] = []
+        size = 0
         try:
             await response.prepare(http)
             async for data in upstream.content.iter_any():
                 await response.write(data)
+                if keep and size < MAX_CHECKED_BODY:
+                    body.append(data)
+                    size += len(data)
             await response.write_eof()
+            if keep and check is not None and size < MAX_CHECKED_BODY:
+                check_cached(router, instance.name, score, check, b"".join(body))
         except aiohttp.ClientPayloadError as e:
             logger.warning("router: %s failed mid-answer: %s", instance.name, e)
         except (ConnectionError, aiohttp.ClientConnectionError) as e:

@@ -283,3 +283,23 @@ def test_index_matches_ground_truth_under_random_events(
             iid: {m for (hh, m), n in c.items() if hh == h and n > 0} for iid, c in truth.items()
         }
         assert idx.holders(h) == {iid: ms for iid, ms in expected.items() if ms}
+
+
+def test_removals_are_counted_per_tier_and_a_load_miss_marks_entries_stale() -> None:
+    idx = BlockIndex(BS)
+    first = stored(HASHES[:2], "GPU", tokens=TOKENS[:8], parent=None)  # teaches the scheme
+    idx.apply_batch(A, batch(first, stored(HASHES[2:5], "CPU", parent=HASHES[1])))
+    idx.apply_batch(B, batch(stored(HASHES[:5], "EXTERNAL", tokens=TOKENS[:20], parent=None)))
+    idx.apply_batch(A, batch(BlockRemoved(HASHES[4:5], "CPU")))
+    assert idx.stats.removed == Counter({"CPU": 1})
+    assert idx.score(TOKENS)[A].num_blocks == 5  # GPU 0-1, CPU 2-3, shared EXTERNAL 4
+    # A reports 8 cached tokens (2 blocks): blocks 2-4 are not where the index said. Its own
+    # CPU entries and the shared EXTERNAL ones for them go; B's blocks 0-1 stay.
+    assert idx.mark_stale(A, TOKENS, 8) == 2 + 3
+    assert idx.stats.stale == Counter({"CPU": 2, "EXTERNAL": 3})
+    assert idx.score(TOKENS)[A].num_blocks == 2 and idx.score(TOKENS)[B].num_blocks == 2
+    # The prompt's last token is always computed: an answer one block short of a prompt
+    # that ends on a block boundary is not a miss.
+    assert idx.mark_stale(A, TOKENS[:8], 4) == 0
+    assert idx.mark_stale("http://unknown:1", TOKENS, 0) == 0
+    idx.check_integrity()

@@ -21,6 +21,8 @@ from kvconnect.events import ExternalBlockHash
 from kvconnect.messages import KVConnectorMetadata, KVConnectorWorkerMetadata
 
 TIER_KINDS = ("cpu", "disk", "redis")
+GROUP_IDX, SPEC_KIND = 0, "full_attention"
+"""What the connector's events say of the KV cache group: a model with one kind of attention."""
 
 
 @dataclass(frozen=True)
@@ -33,6 +35,11 @@ class TierConfig:
     """Directory of the disk tier."""
     url: str = ""
     """Redis URL: redis://[:password@]host:port/db, or rediss:// for TLS."""
+    ttl_s: float | None = None
+    """Redis: entries expire this many seconds after they are written (None: never)."""
+    watch: bool = True
+    """Redis: follow the server's keyspace notifications, so that what Redis evicts or
+    expires is announced (BlockRemoved, medium EXTERNAL); see tiers/redis_watch.py."""
 
 
 @dataclass(frozen=True)
@@ -75,7 +82,7 @@ class OffloadConfig:
                 raise ValueError(
                     f"OffloadConnector: tiers[{i}]={raw!r}: needs kind in {', '.join(TIER_KINDS)}"
                 )
-            valid = {"kind", "max_bytes", "path", "url"}
+            valid = {"kind", "max_bytes", "path", "url", "ttl_s", "watch"}
             if set(raw) - valid:
                 raise ValueError(
                     f"OffloadConnector: tiers[{i}] keys {sorted(set(raw) - valid)}"
@@ -88,6 +95,16 @@ class OffloadConfig:
                 raise ValueError(f"OffloadConnector: tiers[{i}] (redis) needs a url")
             if tier.max_bytes <= 0:
                 raise ValueError(f"OffloadConnector: tiers[{i}] max_bytes must be > 0")
+            if tier.kind != "redis" and ({"ttl_s", "watch"} & set(raw)):
+                raise ValueError(f"OffloadConnector: tiers[{i}]: ttl_s and watch are redis options")
+            if tier.ttl_s is not None and (
+                not isinstance(tier.ttl_s, int | float)
+                or isinstance(tier.ttl_s, bool)
+                or tier.ttl_s <= 0
+            ):
+                raise ValueError(f"OffloadConnector: tiers[{i}] ttl_s={tier.ttl_s!r} must be > 0")
+            if not isinstance(tier.watch, bool):
+                raise ValueError(f"OffloadConnector: tiers[{i}] watch must be true or false")
             tiers.append(tier)
         if not tiers:
             raise ValueError("OffloadConnector: kv_connector_extra_config['tiers'] is empty")
@@ -140,6 +157,9 @@ class OffloadMetadata(KVConnectorMetadata):
     saves: list[SaveSpec] = field(default_factory=list)
     loads: list[LoadSpec] = field(default_factory=list)
     reset: bool = False
+    shared_gone: list[bytes] = field(default_factory=list)
+    """Last block hashes of chunks a shared tier no longer holds (Redis evicted or expired
+    them): workers forget they wrote them, so the next save writes them again."""
 
 
 @dataclass

@@ -16,6 +16,7 @@ the step thread (`lookup.PrefixLookup`): the request waits a step for the answer
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from dataclasses import dataclass
 
 from kvconnect.connector.base import (
@@ -26,6 +27,7 @@ from kvconnect.connector.base import (
 )
 from kvconnect.connector.events import EventQuorum, KVEventsWorkerMetadata
 from kvconnect.connector.offload.common import (
+    GROUP_IDX,
     ChunkInfo,
     LoadSpec,
     OffloadConfig,
@@ -36,10 +38,20 @@ from kvconnect.connector.offload.common import (
 )
 from kvconnect.connector.offload.lookup import PrefixLookup
 from kvconnect.connector.offload.tiers import TierPlacement, create_tier, tier_class
-from kvconnect.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from kvconnect.connector.offload.tiers.redis_watch import RedisWatcher
+from kvconnect.events import (
+    MEDIUM_EXTERNAL,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVCacheEvent,
+)
 from kvconnect.hashing import request_extra_keys, to_event, to_wire
 
 logger = logging.getLogger(__name__)
+
+MAX_UNCONFIRMED = 1 << 16
+"""Saved chunks whose shared store is not yet confirmed, remembered for the watcher."""
 
 
 @dataclass
@@ -62,11 +74,23 @@ class OffloadScheduler:
         self._local_media = {cls.medium for cls in classes if not cls.shared}
         self.lookup: PrefixLookup | None = None
         shared = [t for t, cls in zip(config.tiers, classes, strict=True) if cls.shared]
+        self.watcher: RedisWatcher | None = None
         if shared:
             placement = TierPlacement(context.world_size, rank=0)
             tier = create_tier(shared[0], placement)
             tier.check_reachable()  # before any worker starts: a wrong URL fails at once
             self.lookup = PrefixLookup(tier)
+            if shared[0].kind == "redis" and shared[0].watch:
+                self.watcher = RedisWatcher(
+                    shared[0].url,
+                    f"{context.model_name}/{context.world_size}/",
+                    context.world_size,
+                    self._rank_keys,
+                )
+        # Chunks saved while a watcher runs: wire last hash -> raw, until their EXTERNAL store
+        # is released (the watcher follows keys, which name the raw hash).
+        self._raw_by_wire: OrderedDict[int | bytes, bytes] = OrderedDict()
+        self._shared_gone: list[bytes] = []
         self._plans: dict[str, tuple[int, int]] = {}  # request -> (first token, num chunks)
         self._loads: list[LoadSpec] = []
         self._tracked: dict[str, _Tracked] = {}
@@ -162,8 +186,8 @@ class OffloadScheduler:
     # -- saves and the step ---------------------------------------------------------------------
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> OffloadMetadata:
-        meta = OffloadMetadata(loads=self._loads, reset=self._reset)
-        self._loads, self._reset = [], False
+        meta = OffloadMetadata(loads=self._loads, reset=self._reset, shared_gone=self._shared_gone)
+        self._loads, self._reset, self._shared_gone = [], False, []
         self._unreported = self._unreported or bool(meta.loads or meta.reset)
         for new in scheduler_output.scheduled_new_reqs:
             self._tracked[new.request_id] = _Tracked(
@@ -183,6 +207,10 @@ class OffloadScheduler:
                 )
                 meta.saves.append(SaveSpec(info, list(s.block_ids[i * per : (i + 1) * per])))
                 tracked.next_chunk += 1
+                if self.watcher is not None:
+                    self._raw_by_wire[info.block_hashes[-1]] = info.last_block_hash
+                    if len(self._raw_by_wire) > MAX_UNCONFIRMED:
+                        self._raw_by_wire.popitem(last=False)
         self._unreported = self._unreported or bool(meta.saves)
         return meta
 
@@ -199,6 +227,14 @@ class OffloadScheduler:
             self._ready.append(event)
 
     def _track(self, event: KVCacheEvent) -> None:
+        if (
+            self.watcher is not None
+            and isinstance(event, BlockStored)
+            and event.medium == MEDIUM_EXTERNAL
+        ):
+            raw = self._raw_by_wire.pop(event.block_hashes[-1], None)
+            if raw is not None:
+                self.watcher.announce(raw, event.block_hashes)
         if isinstance(event, AllBlocksCleared):
             self.held.clear()
         elif isinstance(event, BlockStored | BlockRemoved) and event.medium in self._local_media:
@@ -212,12 +248,21 @@ class OffloadScheduler:
                     del self.held[chunk]
 
     def has_pending_work(self) -> bool:
-        """Whether the workers may still report events for work already given to them: the
-        engine should keep stepping (even idle) until they have."""
-        return self._unreported or any(self.pending_io.values()) or self.quorum.num_pending > 0
+        """Whether events are still to come for work already under way (workers' I/O, or
+        removals the watcher noticed): the engine should keep stepping, even idle."""
+        return (
+            self._unreported
+            or any(self.pending_io.values())
+            or self.quorum.num_pending > 0
+            or (self.watcher is not None and self.watcher.has_removed)
+        )
 
     def take_events(self) -> list[KVCacheEvent]:
         ready, self._ready = self._ready, []
+        if self.watcher is not None:
+            for last, hashes in self.watcher.take_removed():
+                ready.append(BlockRemoved(hashes, MEDIUM_EXTERNAL, group_idx=GROUP_IDX))
+                self._shared_gone.append(last)
         return ready
 
     def request_finished(self, request: ConnectorRequest) -> None:
@@ -231,6 +276,8 @@ class OffloadScheduler:
         return True
 
     def shutdown(self) -> None:
+        if self.watcher is not None:
+            self.watcher.shutdown()
         if self.lookup is not None:
             self.lookup.shutdown()
             self.lookup.tier.close()

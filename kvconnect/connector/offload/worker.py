@@ -25,6 +25,8 @@ import torch
 
 from kvconnect.connector.base import KVConnectorContext, KVConnectorStats
 from kvconnect.connector.offload.common import (
+    GROUP_IDX,
+    SPEC_KIND,
     ChunkInfo,
     LoadSpec,
     OffloadConfig,
@@ -34,7 +36,7 @@ from kvconnect.connector.offload.common import (
 )
 from kvconnect.connector.offload.tiers import TierPlacement, create_tier
 from kvconnect.connector.offload.tiers.base import Evicted, Tier, TierError
-from kvconnect.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from kvconnect.events import BlockRemoved, BlockStored, KVCacheEvent
 
 logger = logging.getLogger(__name__)
 
@@ -58,9 +60,6 @@ def stored_event(info: ChunkInfo, medium: str) -> BlockStored:
 
 def removed_event(info: ChunkInfo, medium: str) -> BlockRemoved:
     return BlockRemoved(list(info.block_hashes), medium, group_idx=GROUP_IDX)
-
-
-GROUP_IDX, SPEC_KIND = 0, "full_attention"  # a model with one kind of attention layer
 
 
 class OffloadWorker:
@@ -119,6 +118,13 @@ class OffloadWorker:
             self._cond.notify()
 
     def wait_for_save(self, meta: OffloadMetadata) -> None:
+        if meta.shared_gone:  # Redis dropped them: the next save of each writes it again
+            ctx = self.context
+            with self._lock:
+                for last in meta.shared_gone:
+                    self._written_shared.discard(
+                        chunk_key(ctx.model_name, ctx.world_size, self.rank, last)
+                    )
         bs = self.context.block_size
         for save in meta.saves:
             key = self._key(save.chunk)
@@ -315,6 +321,7 @@ class OffloadWorker:
         return None
 
     def _reset(self) -> None:
+        """Empty the local tiers, announcing exactly what each dropped (a shared tier is not
+        ours to empty), so a router keeps what the engine itself still holds."""
         for tier in self.tiers:
-            tier.clear()
-        self._emit(AllBlocksCleared())
+            self._emit(*(removed_event(info, tier.medium) for _, info in tier.clear()))

@@ -1,10 +1,12 @@
 """Redis tier: chunks as values in a Redis server that several engine instances share.
 
 Layout: one string value per chunk and rank, under `kvconnect:<chunk key>` (see
-`common.chunk_key`), holding the same self-checking record as a disk tier file. Redis evicts by
-its own policy (maxmemory), invisibly to us, so this tier announces stores only; a GET that
-misses or fails a check is a load error and the engine recomputes. A server that is down turns
-into errors that are logged and counted, never into a stuck step.
+`common.chunk_key`), holding the same self-checking record as a disk tier file, with an expiry
+when the tier has `ttl_s`. Workers announce what they store; what Redis drops on its own (its
+maxmemory policy, expiry) the scheduler half learns from Redis's keyspace notifications and
+announces (`redis_watch.py`). A GET that misses or fails a check is a load error and the engine
+recomputes. A server that is down turns into errors that are logged and counted, never into a
+stuck step.
 """
 
 from __future__ import annotations
@@ -47,10 +49,11 @@ class RedisTier(Tier):
 
     @classmethod
     def from_config(cls, config: TierConfig, placement: TierPlacement) -> Self:
-        return cls(config.url)
+        return cls(config.url, config.ttl_s)
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, ttl_s: float | None = None) -> None:
         self.url = redact(url)
+        self.ttl_ms = None if ttl_s is None else max(1, round(ttl_s * 1000))
         self._client: Any = connect(url)
         self.num_errors = 0
 
@@ -71,7 +74,7 @@ class RedisTier(Tier):
     def put(self, key: str, info: ChunkInfo, data: torch.Tensor) -> list[Evicted]:
         value = b"".join(pack(key, info, data))
         try:
-            self._client.set(KEY_PREFIX + key, value)
+            self._client.set(KEY_PREFIX + key, value, px=self.ttl_ms)
         except redis.RedisError as e:
             raise TierError(self._failed("set", e)) from e
         return []

@@ -1,0 +1,76 @@
+"""A load miss the index did not know about: Redis loses chunks without announcing them (the
+tier's `watch` off), the router still credits the instance, the instance computes the prompt,
+and the router drops the stale entries when the answer's usage says so."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import redis
+
+from tests.conftest import start_redis
+from tests.serving import RouterProcess, Serve, get, post
+
+pytestmark = pytest.mark.slow
+
+
+def wait_for(pred: Callable[[], bool], timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.02)
+
+
+def test_a_silent_loss_in_redis_is_found_by_the_answer_and_counted_stale(tmp_path: Path) -> None:
+    store = start_redis()
+    transfer = {
+        "kv_connector": "OffloadConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {
+            "chunk_size": 32,
+            "tiers": [{"kind": "redis", "url": store.url, "watch": False}],
+        },
+    }
+    # 24 blocks of 16 tokens: a few other prompts push one out of the engine's own cache.
+    server = Serve(tmp_path, "--num-kv-blocks", "24", "--kv-transfer-config", json.dumps(transfer))
+    router = RouterProcess(tmp_path, [server])
+    try:
+        server.start()
+        router.start()
+        rng = random.Random(3)
+        prompt = [rng.randrange(256) for _ in range(150)]  # 4 chunks of 32
+        body = {"prompt": prompt, "max_tokens": 1}
+
+        def score() -> dict[str, object]:
+            status, answer, _ = post(router.url + "/kv/score", {"prompt": prompt})
+            assert status == 200, answer
+            return dict(answer["instances"][server.url])
+
+        assert post(router.url + "/v1/completions", body)[0] == 200
+        for i in range(3):
+            other = [random.Random(100 + i).randrange(256) for _ in range(150)]
+            assert (
+                post(server.url + "/v1/completions", {"prompt": other, "max_tokens": 1})[0] == 200
+            )
+        # What the router believes: the prompt's chunks in redis, nothing on the GPU.
+        wait_for(lambda: score()["blocks_per_tier"] == {"EXTERNAL": 8})
+        redis.Redis(port=store.port).flushall()  # lost, and nobody says so
+        status, answer, _ = post(router.url + "/v1/completions", body)
+        assert status == 200 and answer["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        assert score()["cached_blocks"] == 0  # the answer corrected the index
+        _, text = get(router.url + "/metrics")
+        found = re.search(
+            r'^kvconnect_router_index_stale_total\{tier="EXTERNAL"\} (\S+)$', text, re.M
+        )
+        assert found and float(found.group(1)) == 8
+        assert re.search(r'^kvconnect_router_index_removed_total\{tier="GPU"\} ', text, re.M)
+    finally:
+        router.stop()
+        server.stop()
+        store.stop()
