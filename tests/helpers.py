@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import time
 from collections.abc import Callable
@@ -147,3 +148,33 @@ def read_through(
         assert isinstance(item, ReceivedBatch), item
         batches.append(item)
     return batches
+
+
+def listening_sockets(pids: list[int]) -> list[tuple[str, int]]:
+    """(address, port) of every TCP socket that processes `pids` listen on, read from /proc
+    (IPv4 and IPv6); an address other than 127.0.0.1 or ::1 is reachable from elsewhere."""
+    inodes: set[str] = set()
+    for pid in pids:
+        fd_dir = f"/proc/{pid}/fd"
+        for fd in os.listdir(fd_dir):
+            try:
+                link = os.readlink(f"{fd_dir}/{fd}")
+            except OSError:
+                continue
+            if link.startswith("socket:["):
+                inodes.add(link[8:-1])
+    found = []
+    for table, width in (("/proc/net/tcp", 8), ("/proc/net/tcp6", 32)):
+        with open(table) as f:
+            next(f)
+            for line in f:
+                cols = line.split()
+                if cols[3] != "0A" or cols[9] not in inodes:  # 0A: LISTEN
+                    continue
+                hex_ip, hex_port = cols[1].split(":")
+                raw = bytes.fromhex(hex_ip)
+                # /proc prints each 32-bit word in host (little-endian) order.
+                ip = b"".join(raw[i : i + 4][::-1] for i in range(0, width // 2, 4))
+                family = socket.AF_INET if width == 8 else socket.AF_INET6
+                found.append((socket.inet_ntop(family, ip), int(hex_port, 16)))
+    return found

@@ -1,7 +1,8 @@
 """Runs `tensor_parallel_size` worker processes and folds their outputs each step.
 
-Workers are spawned processes joined by torch.distributed (gloo on CPU); the executor talks to
-each over a pipe on this machine. A worker that dies, fails or does not answer within
+Workers are spawned processes joined by torch.distributed (gloo on CPU, over loopback, meeting
+at a FileStore in a private directory: nothing listens beyond this machine); the executor talks
+to each over a pipe on this machine. A worker that dies, fails or does not answer within
 `step_timeout` becomes an `EngineDeadError`, and `shutdown` ends every worker within a bounded
 time (ask, wait, terminate, kill).
 """
@@ -11,12 +12,14 @@ from __future__ import annotations
 import contextlib
 import logging
 import multiprocessing as mp
+import shutil
 import signal
-import socket
+import tempfile
 import time
 from dataclasses import replace
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
+from pathlib import Path
 from typing import TypeVar
 
 from kvconnect.connector.aggregator import KVOutputAggregator
@@ -39,12 +42,6 @@ class EngineDeadError(RuntimeError):
     """A worker process died, failed or hung; the engine cannot go on."""
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class Executor:
     def __init__(
         self,
@@ -64,7 +61,8 @@ class Executor:
         )
         ctx = mp.get_context("spawn")
         self._shm: ShmAllReduceOwner | None = None
-        cfg = replace(config, dist_port=_free_port())
+        self._dist_dir = tempfile.mkdtemp(prefix="kvconnect-dist-")  # mode 0700
+        cfg = replace(config, dist_store=str(Path(self._dist_dir) / "store"))
         if tp > 1 and config.all_reduce_bytes > 0:
             self._shm = ShmAllReduceOwner(ctx, tp, config.all_reduce_bytes)
             cfg = replace(cfg, all_reduce=self._shm.handle)
@@ -121,7 +119,7 @@ class Executor:
                     raise EngineDeadError(_died(r, p))
             if time.monotonic() > deadline:
                 self._dead = True
-                raise EngineDeadError(f"worker {rank} did not answer within {timeout:.0f}s")
+                raise self._hung(timeout)
         try:
             reply: WorkerReply = conn.recv()
         except (EOFError, OSError) as e:
@@ -135,6 +133,16 @@ class Executor:
             self._dead = True
             raise EngineDeadError(f"worker {rank} sent {type(reply).__name__}, not {expected}")
         return reply
+
+    def _hung(self, timeout: float) -> EngineDeadError:
+        """Name the workers that hold the step up: those stopped by a signal (SIGSTOP, a
+        debugger) if any, else every worker that has not answered (peers of a hung worker wait
+        for it inside a collective, so they do not answer either)."""
+        silent = [r for r, c in enumerate(self._conns) if not c.poll(0)]
+        stopped = [r for r in silent if _is_stopped(self._procs[r].pid)]
+        names = ", ".join(f"worker {r}" for r in stopped or silent)
+        why = " (stopped by a signal)" if stopped else ""
+        return EngineDeadError(f"{names} did not answer within {timeout:.0f}s{why}")
 
     def _dead_workers(self) -> str:
         """Which workers have died, as the root cause to put first in an error."""
@@ -182,6 +190,16 @@ class Executor:
         if self._shm is not None:
             self._shm.close()
             self._shm = None
+        shutil.rmtree(self._dist_dir, ignore_errors=True)
+
+
+def _is_stopped(pid: int | None) -> bool:
+    """Whether process `pid` is stopped (state T or t in /proc; False where there is none)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rpartition(")")[2].split()[:1] in (["T"], ["t"])
 
 
 def _died(rank: int, proc: BaseProcess) -> str:

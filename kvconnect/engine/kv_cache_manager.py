@@ -37,6 +37,9 @@ class KVCacheManager:
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self._blocks.get(request_id, [])]
 
+    def holds_blocks(self, request_id: str) -> bool:
+        return bool(self._blocks.get(request_id))
+
     def num_blocks_needed(self, request: Request, num_tokens: int, num_hits: int = 0) -> int:
         """New blocks needed for `request` to hold `num_tokens` tokens."""
         have = len(self._blocks.get(request.request_id, ())) + num_hits

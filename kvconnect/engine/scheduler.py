@@ -218,7 +218,9 @@ class Scheduler:
         hits: list[KVCacheBlock] = []
         num_local = req.num_computed_tokens
         num_external, load_async = 0, False
-        first_admission = req.num_computed_tokens == 0  # not promoted after an async load
+        # Not back from an async load (whose failed blocks may have taken its computed tokens
+        # to 0): such a request keeps its blocks and is not looked up again.
+        first_admission = not self.kv_cache_manager.holds_blocks(req.request_id)
         if first_admission:
             hits, num_local = self.kv_cache_manager.get_computed_blocks(req)
             if self.connector is not None:

@@ -45,7 +45,9 @@ class WorkerConfig:
     hash_algorithm: str = DEFAULT_ALGORITHM
     hash_seed: str | None = None
     data_parallel_rank: int = 0
-    dist_port: int = 0
+    dist_store: str = ""
+    """File of the torch.distributed FileStore the workers meet at (TP > 1), in a private
+    directory: a TCPStore would listen on every interface."""
     num_threads: int = 0
     """Torch threads per worker; 0 shares the machine's cores among the workers."""
     all_reduce_bytes: int = 0
@@ -224,9 +226,11 @@ def worker_main(config: WorkerConfig, rank: int, conn: Connection) -> None:
         threads = config.num_threads or max(1, (os.cpu_count() or 1) // tp)
         torch.set_num_threads(threads)
         if tp > 1:
+            # Gloo's pair sockets listen on the interface named here: loopback unless told.
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
             dist.init_process_group(
                 "gloo",
-                init_method=f"tcp://127.0.0.1:{config.dist_port}",
+                store=dist.FileStore(config.dist_store, tp),  # type: ignore[attr-defined]
                 rank=rank,
                 world_size=tp,
                 timeout=timedelta(seconds=60),

@@ -23,7 +23,7 @@ from kvconnect.model.config import TINY
 from kvconnect.model.loader import tiny_state_dict
 from kvconnect.subscriber import KVEventSubscriber, ReceivedBatch
 from tests.connector.helpers import MODULE
-from tests.helpers import read_through
+from tests.helpers import listening_sockets, read_through
 
 pytestmark = pytest.mark.slow
 
@@ -213,17 +213,32 @@ def test_a_killed_worker_fails_the_requests_quickly() -> None:
         llm.generate(PROMPTS, GREEDY)
 
 
-def test_a_hung_worker_times_out_and_everything_is_stopped() -> None:
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_hung_worker_times_out_is_named_and_everything_is_stopped(rank: int) -> None:
     llm = LLM("tiny", tensor_parallel_size=2, step_timeout=3)
     pids = list(llm.executor.worker_pids)
-    os.kill(pids[1], signal.SIGSTOP)  # alive but never answers
+    os.kill(pids[rank], signal.SIGSTOP)  # alive but never answers; its peer waits for it
     start = time.monotonic()
-    with pytest.raises(EngineDeadError, match="did not answer within 3s"):
+    with pytest.raises(EngineDeadError) as err:
         llm.generate(PROMPTS[2:], GREEDY)
+    assert str(err.value) == f"worker {rank} did not answer within 3s (stopped by a signal)"
     assert time.monotonic() - start < 15
     for pid in pids:  # no worker left behind
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+def test_tp_workers_listen_on_loopback_only() -> None:
+    """torch.distributed's TCPStore listens on every interface: the workers meet at a
+    FileStore, and gloo's pair sockets are on loopback."""
+    with LLM("tiny", tensor_parallel_size=2) as llm:
+        pids = [p for p in llm.executor.worker_pids if p is not None]
+        assert len(pids) == 2
+        out = llm.generate(PROMPTS[2:], GREEDY)  # the process group works
+        assert out[0].outputs[0].token_ids
+        found = listening_sockets([os.getpid(), *pids])
+        assert found, "gloo listens for its peers: the check would see that"
+        assert {addr for addr, _ in found} <= {"127.0.0.1", "::1"}, found
 
 
 def test_cli_generate_prints_outputs_and_what_was_published(tmp_path: Path) -> None:

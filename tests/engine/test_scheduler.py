@@ -206,6 +206,36 @@ def test_invalid_blocks_are_recomputed_and_that_steps_token_dropped() -> None:
     assert_all_free(s)
 
 
+def test_a_load_failed_from_its_first_block_recomputes_in_its_own_blocks() -> None:
+    """The request keeps its blocks and is not looked up again: prefix hits found at that
+    point (another request cached the same tokens meanwhile) must not be appended to them."""
+    conn = ScriptedConnector()
+    s = make(connector=conn)
+    b = req("b", 12, max_tokens=2)
+    conn.matched["b"] = (8, True)  # an async load of blocks 0 and 1
+    s.add_request(b)
+    step(s)
+    assert b.status is RequestStatus.WAITING_FOR_REMOTE_KVS
+    own = s.kv_cache_manager.block_ids("b")
+    a = req("a", 12, max_tokens=1)  # the same tokens, computed here and cached
+    s.add_request(a)
+    assert step(s).num_scheduled_tokens == {"a": 12}
+    lookups = [c for c in conn.calls if c[0] == "get_num_new_matched_tokens" and c[1] == "b"]
+    # The whole load failed; it is reported with the load's completion.
+    step(s, KVConnectorOutput(invalid_block_ids={own[0]}, finished_recving={"b"}))
+    assert b.num_computed_tokens == 0
+    out = step(s)
+    assert out.num_scheduled_tokens == {"b": 12}
+    ids = out.scheduled[0].block_ids
+    assert ids[:2] == own and len(ids) == 3 and out.scheduled[0].start_position == 0
+    assert [c for c in conn.calls if c[0] == "get_num_new_matched_tokens" and c[1] == "b"] == (
+        lookups
+    )
+    drain(s)
+    assert b.output_token_ids == [TOKEN] * 2
+    assert_all_free(s)
+
+
 def test_abort_frees_and_reports_the_id_to_workers() -> None:
     s = make()
     s.add_request(req("a", 8, max_tokens=50))
