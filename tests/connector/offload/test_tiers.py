@@ -51,8 +51,12 @@ def test_pack_unpack_round_trip_and_checks() -> None:
     bad[-1] ^= 0xFF
     with pytest.raises(TierError, match="checksum"):
         unpack(bytes(bad), key)
-    with pytest.raises(TierError, match="header"):
+    with pytest.raises(TierError, match="magic"):
         unpack(b"\x00\x00\x00\x05junk!", key)
+    bad = bytearray(blob)
+    bad[12] ^= 0x01  # inside the header
+    with pytest.raises(TierError, match="header checksum"):
+        unpack(bytes(bad), key)
 
 
 def test_disk_tier_budget_restart_and_corruption(tmp_path: Path) -> None:

@@ -112,12 +112,23 @@ class _Header(msgspec.Struct, array_like=True):
     extra_keys: list[Any] | None = None
 
 
+MAGIC = b"KVC2"
+"""First bytes of a serialised chunk: the format and its version (an older file is unreadable,
+so it is dropped and recomputed, never misread)."""
+DTYPES = {
+    name: getattr(torch, name)
+    for name in ("float32", "float16", "bfloat16", "float64", "int8", "uint8", "float8_e4m3fn")
+}
+"""The dtypes a chunk may name: a header is never turned into an arbitrary torch attribute."""
 _encode = msgspec.msgpack.Encoder().encode
 _decode_header = msgspec.msgpack.Decoder(_Header).decode
+_PREFIX = len(MAGIC) + 4  # magic, header length
+_SUM = 8  # the header's own checksum follows it
 
 
 def pack(key: str, info: ChunkInfo, data: torch.Tensor) -> list[bytes | memoryview]:
-    """[length of header (4 bytes), header, payload] without copying the payload."""
+    """[magic and header length, header, header checksum, payload] without copying the
+    payload. The header names the payload's checksum; both checksums are xxh3-64."""
     payload = data.contiguous().view(torch.uint8).reshape(-1).numpy().data
     header = _encode(
         _Header(
@@ -133,35 +144,59 @@ def pack(key: str, info: ChunkInfo, data: torch.Tensor) -> list[bytes | memoryvi
             None if info.extra_keys is None else list(info.extra_keys),
         )
     )
-    return [len(header).to_bytes(4, "big"), header, payload]
+    head = MAGIC + len(header).to_bytes(4, "big")
+    return [head, header, xxhash.xxh3_64_digest(header), payload]
+
+
+def _header(view: memoryview) -> tuple[_Header, int]:
+    """The checked header of a serialised chunk and where its payload starts."""
+    if len(view) < _PREFIX or view[: len(MAGIC)] != MAGIC:
+        raise TierError("not a kvconnect chunk (bad magic)")
+    n = int.from_bytes(view[len(MAGIC) : _PREFIX], "big")
+    end = _PREFIX + n
+    if end + _SUM > len(view):
+        raise TierError(f"truncated ({len(view)} bytes, header says {n})")
+    raw = view[_PREFIX:end]
+    if xxhash.xxh3_64_digest(raw) != view[end : end + _SUM]:
+        raise TierError("header checksum mismatch")
+    try:
+        h = _decode_header(raw)
+    except (msgspec.MsgspecError, ValueError) as e:
+        raise TierError(f"unreadable header ({e})") from None
+    return h, end + _SUM
 
 
 def peek_key(blob: bytes | bytearray | memoryview) -> str:
-    """The key a serialised chunk says it holds (its payload is not checked)."""
-    view = memoryview(blob)
-    try:
-        return _decode_header(view[4 : 4 + int.from_bytes(view[:4], "big")]).key
-    except (msgspec.MsgspecError, ValueError) as e:
-        raise TierError(f"unreadable chunk header ({e})") from None
+    """The key a serialised chunk says it holds (its header is checked, its payload not)."""
+    return _header(memoryview(blob))[0].key
 
 
 def unpack(
     blob: bytes | bytearray | memoryview, expected_key: str
 ) -> tuple[ChunkInfo, torch.Tensor]:
-    """The chunk in `blob`; `TierError` if it is truncated, corrupt or another key's. A
-    bytearray is used in place (the tensor shares its memory), saving a copy per load."""
+    """The chunk in `blob`; `TierError` if it is truncated, corrupt, inconsistent or another
+    key's. A bytearray is used in place (the tensor shares its memory), saving a copy per load."""
     view = memoryview(blob)
     try:
-        n = int.from_bytes(view[:4], "big")
-        h = _decode_header(view[4 : 4 + n])
-    except (msgspec.MsgspecError, ValueError) as e:
-        raise TierError(f"chunk {expected_key}: unreadable header ({e})") from None
-    payload = view[4 + n :]
+        h, start = _header(view)
+    except TierError as e:
+        raise TierError(f"chunk {expected_key}: {e}") from None
+    payload = view[start:]
     if h.key != expected_key:
         raise TierError(f"chunk {expected_key}: entry holds {h.key}")
     if xxhash.xxh3_64_intdigest(payload) != h.checksum:
         raise TierError(f"chunk {expected_key}: checksum mismatch")
-    dtype = getattr(torch, h.dtype)
+    dtype = DTYPES.get(h.dtype)
+    numel = 1
+    for dim in h.shape:
+        numel *= dim
+    if dtype is None or any(d < 0 for d in h.shape) or numel * dtype.itemsize != len(payload):
+        raise TierError(
+            f"chunk {expected_key}: dtype {h.dtype!r} and shape {h.shape} do not describe "
+            f"its {len(payload)} payload bytes"
+        )
+    if h.block_size <= 0 or len(h.token_ids) != len(h.block_hashes) * h.block_size:
+        raise TierError(f"chunk {expected_key}: its blocks and tokens disagree")
     array = np.frombuffer(payload, dtype=np.uint8)
     # A bytearray we own is used in place; immutable bytes (redis) cost one copy.
     raw = torch.from_numpy(array if array.flags.writeable else array.copy())

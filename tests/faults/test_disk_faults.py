@@ -1,0 +1,168 @@
+"""The disk tier against what can happen to its directory: flipped bits anywhere in a chunk,
+truncation, planted symlinks, an unsafe root, another engine's shapes, a full filesystem."""
+
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvconnect.connector.offload.common import ChunkInfo
+from kvconnect.connector.offload.tiers.base import TierError
+from kvconnect.connector.offload.tiers.disk import SUFFIX, DiskTier
+
+SHAPE = (2, 2, 8, 2, 4)
+BUDGET = 1 << 24
+
+
+def chunk(i: int) -> tuple[str, ChunkInfo, torch.Tensor]:
+    info = ChunkInfo(bytes([i]) * 32, (i * 10, i * 10 + 1), None if i == 0 else i, (i,) * 8, 4)
+    return f"m/1/0/{i:02x}", info, torch.full(SHAPE, float(i))
+
+
+def one_chunk_dir(root: Path) -> tuple[Path, bytes]:
+    tier = DiskTier(str(root), BUDGET)
+    tier.put(*chunk(3))
+    path = tier._path(chunk(3)[0])
+    return path, path.read_bytes()
+
+
+def header_length(blob: bytes) -> int:
+    """Bytes before the payload: magic, length, header, header checksum."""
+    return 8 + int.from_bytes(blob[4:8], "big") + 8
+
+
+def test_every_bit_flip_in_the_header_and_sampled_payload_flips_is_dropped_at_start(
+    tmp_path: Path,
+) -> None:
+    path, blob = one_chunk_dir(tmp_path)
+    end = header_length(blob)
+    payload_bytes = range(end, len(blob), 37)
+    starts = 0
+    for pos in [*range(end), *payload_bytes]:
+        for bit in range(8) if pos < end else (pos % 8,):
+            bad = bytearray(blob)
+            bad[pos] ^= 1 << bit
+            path.write_bytes(bad)
+            tier = DiskTier(str(tmp_path), BUDGET)  # always starts
+            starts += 1
+            assert tier.entries() == [] and tier.num_corrupt == 1, (pos, bit)
+            assert not path.exists(), (pos, bit)
+            tier.check_integrity()
+    assert starts == end * 8 + len(payload_bytes)
+    path.write_bytes(blob)  # the intact file is still accepted
+    assert [k for k, _ in DiskTier(str(tmp_path), BUDGET).entries()] == [chunk(3)[0]]
+
+
+def test_every_truncation_and_an_old_format_file_are_dropped_at_start(tmp_path: Path) -> None:
+    path, blob = one_chunk_dir(tmp_path)
+    for n in [*range(0, header_length(blob) + 1), len(blob) // 2, len(blob) - 1]:
+        path.write_bytes(blob[:n])
+        tier = DiskTier(str(tmp_path), BUDGET)
+        assert tier.entries() == [] and not path.exists(), n
+        tier.check_integrity()
+    path.write_bytes(len(blob).to_bytes(4, "big") + blob[8:])  # the format before KVC2
+    assert DiskTier(str(tmp_path), BUDGET).entries() == [] and not path.exists()
+
+
+def test_a_chunk_of_another_shape_or_dtype_is_dropped_at_start(tmp_path: Path) -> None:
+    path, blob = one_chunk_dir(tmp_path)
+    other = DiskTier(str(tmp_path), BUDGET, chunk_shape=(2, 2, 16, 2, 4), dtype=torch.float32)
+    assert other.entries() == [] and other.num_corrupt == 1 and not path.exists()
+    path.write_bytes(blob)
+    half = DiskTier(str(tmp_path), BUDGET, chunk_shape=SHAPE, dtype=torch.float16)
+    assert half.entries() == [] and not path.exists()
+    path.write_bytes(blob)
+    same = DiskTier(str(tmp_path), BUDGET, chunk_shape=SHAPE, dtype=torch.float32)
+    assert [k for k, _ in same.entries()] == [chunk(3)[0]]
+    same.check_integrity()
+
+
+def test_a_symlink_at_the_temporary_name_is_not_written_through(tmp_path: Path) -> None:
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    outside.write_bytes(b"precious")
+    tier = DiskTier(str(root), BUDGET)
+    key, info, data = chunk(4)
+    tmp = tier._path(key).with_suffix(".tmp")
+    tmp.symlink_to(outside)
+    assert tier.put(key, info, data) == []
+    assert outside.read_bytes() == b"precious"
+    assert not tmp.exists() and not tmp.is_symlink()
+    assert torch.equal(tier.get(key), data)  # type: ignore[arg-type]
+    tier.check_integrity()
+
+
+def test_a_symlink_at_a_chunk_name_is_never_read_or_followed(tmp_path: Path) -> None:
+    root, outside = tmp_path / "root", tmp_path / "outside.kvchunk"
+    path, blob = one_chunk_dir(root)
+    outside.write_bytes(blob)  # a valid chunk, but outside the root
+    path.unlink()
+    path.symlink_to(outside)
+    (root / ("x" * 64 + SUFFIX)).symlink_to("/etc/passwd")
+    tier = DiskTier(str(root), BUDGET)
+    assert tier.entries() == [] and list(root.iterdir()) == []
+    assert outside.read_bytes() == blob
+    # Planted after start, under a chunk the tier holds: a load error, not a read outside.
+    key, info, data = chunk(5)
+    tier.put(key, info, data)
+    tier._path(key).unlink()
+    tier._path(key).symlink_to(outside)
+    with pytest.raises(TierError):
+        tier.get(key)
+    assert not tier.contains(key) and outside.read_bytes() == blob
+    tier.check_integrity()
+
+
+def test_an_unsafe_root_is_refused_with_a_clear_error(tmp_path: Path) -> None:
+    open_root = tmp_path / "open"
+    open_root.mkdir()
+    open_root.chmod(0o777)
+    with pytest.raises(ValueError, match="writable by every user"):
+        DiskTier(str(open_root), BUDGET)
+    mine = tmp_path / "mine"
+    DiskTier(str(mine), BUDGET)
+    assert (mine.stat().st_mode & 0o777) == 0o700  # created owner-only
+    if os.geteuid() != 0:
+        return  # only root can give a directory away
+    foreign = tmp_path / "foreign"
+    foreign.mkdir(mode=0o700)
+    os.chown(foreign, 65534, 65534)
+    with pytest.raises(ValueError, match="owned by uid 65534"):
+        DiskTier(str(foreign), BUDGET)
+
+
+@pytest.fixture
+def small_fs(tmp_path: Path) -> Iterator[Path]:
+    """A 1 MiB tmpfs: writes beyond it fail with ENOSPC, as on a full disk."""
+    if os.geteuid() != 0:
+        pytest.fail("a full-filesystem test mounts a tmpfs, which needs root (CI runs as root)")
+    mount = tmp_path / "fs"
+    mount.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], check=True)
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=True)
+
+
+def test_a_full_filesystem_fails_writes_cleanly_and_keeps_what_was_written(small_fs: Path) -> None:
+    tier = DiskTier(str(small_fs / "tier"), max_bytes=1 << 30)  # the budget is not the limit
+    big = (4, 2, 64, 4, 32)  # 256 KiB chunks: about 4 fit
+    stored, failed = [], 0
+    for i in range(8):
+        key, info = f"m/1/0/{i:02x}", chunk(i)[1]
+        try:
+            tier.put(key, info, torch.full(big, float(i)))
+            stored.append(key)
+        except TierError as e:
+            assert "No space left" in str(e)
+            failed += 1
+        tier.check_integrity()
+    assert stored and failed and len(stored) + failed == 8
+    assert not list((small_fs / "tier").glob("*.tmp"))  # no half-written leftovers
+    for key in stored:
+        assert tier.get(key) is not None
+    tier.clear()
+    tier.check_integrity()
