@@ -31,6 +31,7 @@ from kvconnect.subscriber import (
     KVEventSubscriber,
     PublisherRestarted,
     ReceivedBatch,
+    StreamSnapshot,
     SubscriberItem,
 )
 
@@ -74,6 +75,20 @@ def format_item(item: SubscriberItem, as_json: bool) -> str:
             f"events={len(batch.events)}"
         )
         return "\n".join([head, *(f"  {format_event(e)}" for e in batch.events)])
+    if isinstance(item, StreamSnapshot):
+        events = item.batch.events
+        if as_json:
+            return json.dumps(
+                {
+                    "snapshot": {
+                        "endpoint": item.stream.endpoint,
+                        "seq": item.seq,
+                        "events": msgspec.to_builtins(events),
+                    }
+                }
+            )
+        head = f"snapshot as of seq={item.seq} from {item.stream.endpoint}: {len(events)} events"
+        return "\n".join([head, *(f"  {format_event(e)}" for e in events)])
     if isinstance(item, PublisherRestarted):
         if as_json:
             return json.dumps(

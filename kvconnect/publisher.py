@@ -15,7 +15,17 @@ Wire (identical to vLLM, see docs/architecture.md):
     replay:  request  [b"", start_seq (8 bytes)]           from a DEALER (a REQ adds the b"")
              answer   [b"", topic, seq, payload] ...       every buffered batch >= start_seq
                       [b"", STATUS, END_SEQ, b""]           END_SEQ = -1 as 8 signed bytes
+             snapshot [b"", SNAPSHOT_REQUEST]                   (kvconnect's; see below)
+             answer   [b"", topic, seq, payload] ...       BlockStored batches, seq = the fence
+                      [b"", STATUS, END_SEQ, b""]
 A malformed request gets the terminator alone, so no client waits forever.
+
+Snapshots: the publisher keeps the state its stream describes (`stream_state.StreamState`,
+applied on the replay thread from every published batch) and answers a snapshot request with
+it: every block held, per medium, as BlockStored events in batches that all carry the seq they
+are current at (the fence). A consumer drops what it knew of the stream, applies the snapshot,
+then every batch after the fence. vLLM's publisher reads the request as a replay from beyond its
+ring and answers with the terminator alone: no snapshot there, a consumer falls back to replay.
 
 The publisher's identity: `epoch`, random per publisher object, so a restarted process (or a
 new publisher on the same address) is a new stream whatever its seqs. It travels in the
@@ -27,8 +37,17 @@ terminator alone, with the epoch and the next seq.
 The live socket is an XPUB (on the wire the same as vLLM's PUB): it sees its subscribers'
 subscriptions, so `num_subscriptions` and `wait_for_subscriber()` tell whether anyone listens.
 
-Threads: one sends live frames, one serves replays; each owns its socket. The ring is shared
-under a lock held only for an append or a snapshot.
+Replay service is bounded and fair. Every request becomes a session answered a slice at a time,
+round-robin across sessions, with non-blocking sends on a small per-client queue: a client that
+does not read fills its own queue and is skipped, so it costs one failed send per round and
+never delays another client. A session that makes no progress for `REPLAY_STALL_S` is dropped,
+and at `MAX_REPLAY_SESSIONS` the least recently progressing one makes room, so the work spent
+on clients that do not read is bounded by the session count times their socket buffers; within
+a round the least served session goes first. Payload frames are not copied (they reference the
+ring's bytes), so memory stays within the ring plus a small per-client overhead.
+
+Threads: one sends live frames, one serves replays and keeps the stream state; each owns its
+socket. The ring is shared under a lock held only for an append or a slice.
 """
 
 from __future__ import annotations
@@ -38,7 +57,7 @@ import os
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from queue import Empty, SimpleQueue
@@ -48,12 +67,44 @@ import zmq
 
 from kvconnect.config import KVEventsConfig
 from kvconnect.events import KVEventBatch, encode_batch
+from kvconnect.stream_state import StreamState
 
 logger = logging.getLogger(__name__)
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
+SNAPSHOT_REQUEST = b"kvconnect snapshot"
 _STATUS_PREFIX = b"kvconnect "
 _SUBSCRIPTION_CHECK_EVERY = 256  # live sends between reads of subscription messages when busy
+
+REPLAY_SLICE = 256
+"""Messages a session may send per round before the next session's turn."""
+REPLAY_CLIENT_HWM = 64
+"""Messages queued per replay client before its sends fail (and it is skipped)."""
+REPLAY_CLIENT_SNDBUF = 1 << 16
+"""Kernel send buffer per replay connection, bytes."""
+REPLAY_STALL_S = 10.0
+"""A session with no send accepted for this long is dropped."""
+MAX_REPLAY_SESSIONS = 64
+"""Sessions served at once; a new request beyond it replaces the one that progressed least
+recently (a client that reads keeps progressing, so a crowd that does not cannot evict it)."""
+SNAPSHOT_EVENTS_PER_BATCH = 1024
+
+
+@dataclass
+class _Session:
+    """One client's replay (or snapshot) answer in progress."""
+
+    identity: bytes
+    next_seq: int
+    """The next ring seq to send (replay)."""
+    end_seq: int
+    """Send ring entries below this seq (the next seq when the request came)."""
+    status: bytes
+    parts: deque[tuple[bytes, bytes]] | None = None
+    """A snapshot's (seq, payload) messages still to send; None for a replay."""
+    last_progress: float = 0.0
+    num_sent: int = 0
+    """Messages sent so far: the least served session goes first in each round."""
 
 
 @dataclass(frozen=True)
@@ -176,6 +227,16 @@ class ZmqEventPublisher(EventPublisher):
         self.epoch = os.urandom(8).hex()
         self._num_subscriptions = 0  # written only by the sending thread
         self._subscriptions_changed = threading.Condition()
+        # Published batches for the replay thread's StreamState (only with a replay socket).
+        self._for_state: SimpleQueue[tuple[int, KVEventBatch]] | None = (
+            SimpleQueue() if replay_endpoint is not None else None
+        )
+        self.state = StreamState()
+        """What the stream says is held (kept by the replay thread; read it only there or
+        after shutdown)."""
+        self.num_replay_requests = 0
+        self.num_snapshots = 0
+        self.num_replay_sessions_dropped = 0
 
         ctx = context or zmq.Context.instance()
         self._pub = ctx.socket(zmq.XPUB)
@@ -190,8 +251,13 @@ class ZmqEventPublisher(EventPublisher):
                 self._pub.connect(self.endpoint)
             if self.replay_endpoint is not None:
                 self._router = ctx.socket(zmq.ROUTER)
-                # A full replay is buffer_steps + 1 messages; leave room for a few at once.
-                self._router.setsockopt(zmq.SNDHWM, 4 * (buffer_steps + 1))
+                self._router.setsockopt(zmq.SNDHWM, REPLAY_CLIENT_HWM)
+                # A fixed kernel buffer (no autotuning to megabytes): a client that does not
+                # read can absorb only this much before its sends fail.
+                self._router.setsockopt(zmq.SNDBUF, REPLAY_CLIENT_SNDBUF)
+                # A send to a full or departed client fails instead of being dropped silently.
+                self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+                self._router.copy_threshold = 0  # copy=False sends reference the ring's bytes
                 self.replay_endpoint = _bind(self._router, self.replay_endpoint)
         except zmq.ZMQError as e:
             self._pub.close(linger=0)
@@ -224,6 +290,8 @@ class ZmqEventPublisher(EventPublisher):
             self._next_seq = seq + 1
             seq_bytes = seq.to_bytes(8, "big")
             self._ring.append((seq, seq_bytes, payload))
+            if self._for_state is not None:
+                self._for_state.put((seq, batch))
             if self._num_queued - self._num_dequeued >= self._max_queue_size:
                 self._num_dropped += 1
                 return
@@ -341,33 +409,152 @@ class ZmqEventPublisher(EventPublisher):
     def _replay_loop(self) -> None:
         router = self._router
         assert router is not None
+        sessions: OrderedDict[bytes, _Session] = OrderedDict()
         try:
             while not self._stop.is_set():
-                if router.poll(50):
-                    self._serve_replay(router, router.recv_multipart())
+                self._apply_state()
+                busy = self._serve_round(router, sessions)
+                # Idle, or every client's queue full: wait for requests a moment, else go on.
+                if router.poll(0 if busy else 5 if sessions else 50):
+                    for _ in range(256):  # take what is there, then serve again
+                        try:
+                            frames = router.recv_multipart(zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                        self._accept(router, sessions, frames)
         finally:
             router.close(linger=0)
 
-    def _serve_replay(self, router: zmq.Socket[bytes], frames: list[bytes]) -> None:
+    def _apply_state(self) -> None:
+        queue = self._for_state
+        assert queue is not None
+        state = self.state
+        while True:
+            try:
+                seq, batch = queue.get_nowait()
+            except Empty:
+                return
+            state.apply(seq, batch)
+
+    def _accept(
+        self, router: zmq.Socket[bytes], sessions: OrderedDict[bytes, _Session], frames: list[bytes]
+    ) -> None:
         identity = frames[0]
-        if len(frames) != 3 or frames[1] != b"" or len(frames[2]) != 8:
+        self.num_replay_requests += 1
+        now = time.monotonic()
+        if len(frames) == 3 and frames[1] == b"" and frames[2] == SNAPSHOT_REQUEST:
+            self._apply_state()
+            self.num_snapshots += 1
+            state = self.state
+            fence = max(0, state.seq).to_bytes(8, "big")
+            events = state.events()
+            # Nothing published yet: no snapshot (replay from 0 is the whole stream). Else at
+            # least one batch, which names the stream (topic, rank) even when it holds nothing.
+            num = 0 if state.seq < 0 else max(1, len(events))
+            parts = deque(
+                (
+                    fence,
+                    encode_batch(
+                        KVEventBatch(
+                            time.time(),
+                            list(events[i : i + SNAPSHOT_EVENTS_PER_BATCH]),
+                            self._data_parallel_rank,
+                        )
+                    ),
+                )
+                for i in range(0, num, SNAPSHOT_EVENTS_PER_BATCH)
+            )
+            answered = PublisherStatus(self.epoch, state.seq + 1).encode()
+            session = _Session(identity, 0, 0, answered, parts, now)
+        elif len(frames) != 3 or frames[1] != b"" or len(frames[2]) != 8:
             logger.warning(
                 "KV event replay: malformed request (%d frames); sent terminator", len(frames)
             )
-            router.send_multipart((identity, b"", self.status().encode(), END_SEQ, b""))
-            return
-        start_seq = int.from_bytes(frames[2], "big")
-        with self._lock:
-            ring = self._ring
-            # Seqs in the ring are contiguous, so the start is found by arithmetic.
-            skip = max(0, start_seq - ring[0][0]) if ring else 0
-            entries = list(ring)[skip:] if skip < len(ring) else []
-            status = PublisherStatus(self.epoch, self._next_seq)
-        topic = self._topic_bytes
-        for _, seq_bytes, payload in entries:
-            router.send_multipart((identity, b"", topic, seq_bytes, payload))
-        # The next seq as of the snapshot: every batch before it was in this answer or live.
-        router.send_multipart((identity, b"", status.encode(), END_SEQ, b""))
+            session = _Session(identity, 0, 0, self.status().encode(), None, now)
+        else:
+            start_seq = int.from_bytes(frames[2], "big")
+            status = self.status()
+            session = _Session(identity, start_seq, status.next_seq, status.encode(), None, now)
+        if identity in sessions:  # a new request replaces the client's unfinished answer
+            del sessions[identity]
+        elif len(sessions) >= MAX_REPLAY_SESSIONS:
+            victim = min(sessions.values(), key=lambda s: s.last_progress)
+            del sessions[victim.identity]
+            self._dropped(
+                "more than %d replay clients at once: the least recent", MAX_REPLAY_SESSIONS
+            )
+        sessions[identity] = session
+
+    def _dropped(self, why: str, arg: float) -> None:
+        """Count a dropped session; log the first and then one in every 1,000."""
+        self.num_replay_sessions_dropped += 1
+        n = self.num_replay_sessions_dropped
+        if n == 1 or n % 1000 == 0:
+            logger.warning("KV event replay: " + why + "; dropped it (%d so far)", arg, n)
+
+    def _serve_round(
+        self, router: zmq.Socket[bytes], sessions: OrderedDict[bytes, _Session]
+    ) -> bool:
+        """One slice of every session's answer; whether any send went through."""
+        progressed = False
+        now = time.monotonic()
+        for session in sorted(sessions.values(), key=lambda s: s.num_sent):
+            try:
+                sent = self._serve_slice(router, session)
+            except zmq.ZMQError as e:  # EHOSTUNREACH: the client went away
+                del sessions[session.identity]
+                if e.errno != zmq.EHOSTUNREACH:
+                    logger.warning("KV event replay: send failed: %s", e)
+                continue
+            if sent:
+                progressed = True
+                session.last_progress = now
+                session.num_sent += sent
+            if sent is None:
+                del sessions[session.identity]  # answered whole
+                progressed = True
+            elif now - session.last_progress > REPLAY_STALL_S:
+                del sessions[session.identity]
+                self._dropped("a replay client read nothing for %.0fs", REPLAY_STALL_S)
+        return progressed
+
+    def _serve_slice(self, router: zmq.Socket[bytes], session: _Session) -> int | None:
+        """Send up to REPLAY_SLICE messages of `session`'s answer: how many went (None: the
+        terminator went too, the answer is complete). zmq.Again stops at a full queue."""
+        ident, topic, sent = session.identity, self._topic_bytes, 0
+        flags = zmq.NOBLOCK
+        try:
+            if session.parts is not None:
+                parts = session.parts
+                while parts and sent < REPLAY_SLICE:
+                    seq_bytes, payload = parts[0]
+                    router.send_multipart((ident, b"", topic, seq_bytes, payload), flags)
+                    parts.popleft()
+                    sent += 1
+                if parts:
+                    return sent
+            else:
+                with self._lock:
+                    ring = self._ring
+                    first = ring[0][0] if ring else session.end_seq
+                    # Batches the ring dropped meanwhile are skipped: the client sees the gap.
+                    session.next_seq = max(session.next_seq, first)
+                    lo = session.next_seq - first
+                    hi = min(session.end_seq - first, lo + REPLAY_SLICE, len(ring))
+                    entries = [ring[i] for i in range(lo, hi)] if lo < hi else []
+                for seq, seq_bytes, payload in entries:
+                    router.send_multipart(
+                        (ident, b"", topic, seq_bytes, payload), flags, copy=False
+                    )
+                    session.next_seq = seq + 1
+                    sent += 1
+                if session.next_seq < session.end_seq and session.next_seq - first < len(ring):
+                    return sent
+            # The next seq as of the request: every batch before it was in this answer or live.
+            router.send_multipart((ident, b"", session.status, END_SEQ, b""), flags)
+            return None
+        except zmq.Again:
+            return sent
 
 
 def _bind(sock: zmq.Socket[bytes], endpoint: str) -> str:
@@ -422,6 +609,7 @@ class EventPublisherFactory:
 
 __all__ = [
     "END_SEQ",
+    "SNAPSHOT_REQUEST",
     "EventPublisher",
     "EventPublisherFactory",
     "NullEventPublisher",

@@ -11,7 +11,12 @@ Per publisher stream it keeps the last seq it yielded and:
 - `start_seq` (e.g. 0): catches up from that seq through replay as soon as the connection is
   up, so an idle publisher's history arrives without waiting for its next batch;
 - frames that are not 3 frames with an 8-byte seq, and payloads that do not decode, are
-  counted and skipped with a log line; nothing a peer sends ends the subscriber.
+  counted and skipped with a log line; nothing a peer sends ends the subscriber;
+- `snapshots=True`: at first contact, and after any loss replay cannot repair, asks a kvconnect
+  publisher for the full state of its stream and yields it as a `StreamSnapshot` (replace what
+  you hold for that stream), then the batches after its fence, so a consumer's view converges
+  to the instance's truth whatever it missed. A publisher without snapshots (vLLM's) answers
+  with nothing, and the subscriber goes on as without the option.
 
 The handshake. Whenever a connection to a publisher comes up (the first time, and after every
 reconnect) the subscriber asks that publisher's replay socket for everything after the last
@@ -41,7 +46,7 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from kvconnect.events import EventDecodeError, KVEventBatch, decode_batch
-from kvconnect.publisher import END_SEQ, PublisherStatus
+from kvconnect.publisher import END_SEQ, SNAPSHOT_REQUEST, PublisherStatus
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +81,16 @@ class EventsLost:
     last_seq: int
 
 
+@dataclass(frozen=True)
+class StreamSnapshot:
+    """Everything `stream`'s publisher holds as of `seq`, as BlockStored events in `batch`:
+    drop what you knew of the stream and apply this; the batches after `seq` follow."""
+
+    stream: StreamId
+    seq: int
+    batch: KVEventBatch
+
+
 class ReceivedBatch(tuple[int, KVEventBatch]):
     """`(seq, batch)`, plus the `stream` it came from."""
 
@@ -95,7 +110,7 @@ class ReceivedBatch(tuple[int, KVEventBatch]):
         return self[1]
 
 
-SubscriberItem = ReceivedBatch | PublisherRestarted | EventsLost
+SubscriberItem = ReceivedBatch | PublisherRestarted | EventsLost | StreamSnapshot
 ReplayEndpoints = str | Sequence[str | None] | Mapping[int, str] | None
 
 
@@ -147,6 +162,7 @@ class KVEventSubscriber:
         *,
         bind: bool = False,
         start_seq: int | None = None,
+        snapshots: bool = False,
         replay_timeout: float = 2.0,
         hwm: int = 100_000,
         context: zmq.Context[Any] | None = None,
@@ -158,6 +174,7 @@ class KVEventSubscriber:
         if start_seq is not None and start_seq < 0:
             raise ValueError(f"start_seq must be >= 0, got {start_seq}")
         self._start_seq = start_seq
+        self._snapshots = snapshots
         self._replay_timeout = replay_timeout
         self._bind = bind
         self._topic = topic.encode()
@@ -178,6 +195,7 @@ class KVEventSubscriber:
         self.num_batches_lost = 0
         self.num_duplicates = 0
         self.num_handshakes = 0
+        self.num_snapshots = 0
         for i, ep in enumerate(self.endpoints):
             self._open(i, ep, hwm)
 
@@ -273,6 +291,9 @@ class KVEventSubscriber:
         for st in streams:
             st.dup_until = -1  # a new connection: only this answer can duplicate live batches
         known = [st.last_seq for st in streams if st.last_seq is not None]
+        if not known and self._snapshots:
+            fence = self._snapshot(source, replay)
+            known = [] if fence is None else [fence]
         if known:
             start = min(known) + 1
         else:
@@ -287,6 +308,7 @@ class KVEventSubscriber:
                 self._restarted(st, resume)
         if status is not None:
             source.epoch = status.epoch
+        lost = False
         for topic, seq, payload in answer.batches:
             batch = self._decode(payload, seq)
             if batch is None:
@@ -294,11 +316,47 @@ class KVEventSubscriber:
             stream = self._stream(source.index, topic, batch.data_parallel_rank)
             if stream.last_seq is not None and seq <= stream.last_seq:
                 continue
-            if stream.last_seq is not None and seq > stream.last_seq + 1:
-                self._lost(stream, stream.last_seq + 1, seq - 1)
+            # What was asked for and is not there (the ring dropped it) is lost.
+            expected = start if stream.last_seq is None else stream.last_seq + 1
+            if start != _PROBE_SEQ and seq > expected:
+                self._lost(stream, expected, seq - 1)
+                lost = True
             self._pending.append(ReceivedBatch(seq, batch, stream.id))
             self.num_batches_replayed += 1
             stream.last_seq = stream.dup_until = seq
+        if lost and self._snapshots:
+            self._snapshot(source, replay)
+
+    def _snapshot(self, source: _Source, replay: str) -> int | None:
+        """Ask the publisher at `replay` for its state and queue it as `StreamSnapshot`s (one
+        per stream it answers for); the fence seq, or None if it gave none. The streams resume
+        after the fence."""
+        answer = self._request_replay(replay, SNAPSHOT_REQUEST)
+        if answer.status is None or not answer.complete or not answer.batches:
+            return None  # not a kvconnect publisher (or no answer): replay alone
+        if source.epoch is not None and answer.status.epoch != source.epoch:
+            return None  # a restart in between: the next handshake or live batch sees it
+        source.epoch = answer.status.epoch
+        merged: dict[tuple[bytes, int | None], tuple[int, KVEventBatch]] = {}
+        for topic, seq, payload in answer.batches:
+            batch = self._decode(payload, seq)
+            if batch is None:
+                return None  # a snapshot is whole or not at all
+            key = (topic, batch.data_parallel_rank)
+            if key in merged:
+                merged[key][1].events.extend(batch.events)
+            else:
+                merged[key] = (seq, batch)
+        fence = -1
+        for (topic, rank), (seq, batch) in merged.items():
+            stream = self._stream(source.index, topic, rank)
+            if stream.last_seq is not None and seq < stream.last_seq:
+                continue  # older than what we have
+            self._pending.append(StreamSnapshot(stream.id, seq, batch))
+            self.num_snapshots += 1
+            stream.last_seq = stream.dup_until = seq
+            fence = max(fence, seq)
+        return fence if fence >= 0 else None
 
     def _restarted(self, stream: _Stream, first_seq: int) -> None:
         self._pending.append(PublisherRestarted(stream.id, stream.last_seq or 0, first_seq))
@@ -332,6 +390,9 @@ class KVEventSubscriber:
                 self._fill(source, stream, 0, seq)
         elif seq > last + 1:
             self._fill(source, stream, last + 1, seq)
+        if stream.last_seq is not None and stream.last_seq >= seq:  # a snapshot covered it
+            self.num_duplicates += 1
+            return
         self._pending.append(ReceivedBatch(seq, batch, stream.id))
         stream.last_seq = seq
 
@@ -374,6 +435,7 @@ class KVEventSubscriber:
         An answer from a publisher with another epoch means it restarted: report that and read
         the new one from 0 instead."""
         replay = self._replay_for(source.index, stream.id.data_parallel_rank)
+        lost_before = self.num_batches_lost
         answer = self._request_replay(replay, first) if replay else None
         status = answer.status if answer is not None else None
         if status is not None:
@@ -399,27 +461,30 @@ class KVEventSubscriber:
             self._lost(stream, expected, end - 1)
         else:
             self.num_gaps_repaired += 1
+        if self._snapshots and replay and self.num_batches_lost > lost_before:
+            self._snapshot(source, replay)
 
     def _lost(self, stream: _Stream, first: int, last: int) -> None:
         self.num_batches_lost += last - first + 1
         logger.warning("KV event subscriber: %s lost batches %d..%d", stream.id, first, last)
         self._pending.append(EventsLost(stream.id, first, last))
 
-    def _request_replay(self, endpoint: str, start_seq: int) -> _ReplayAnswer:
-        """Every batch the publisher still holds from `start_seq` on, and its status."""
+    def _request_replay(self, endpoint: str, start_seq: int | bytes) -> _ReplayAnswer:
+        """Every batch the publisher still holds from `start_seq` on, and its status (or, for
+        SNAPSHOT_REQUEST, its snapshot)."""
         sock = self._dealers.get(endpoint)
         if sock is None:
             sock = self._dealers[endpoint] = self._ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             sock.connect(endpoint)
         answer = _ReplayAnswer([], None, False)
-        deadline = time.monotonic() + self._replay_timeout
         try:
-            sock.send_multipart((b"", start_seq.to_bytes(8, "big")), flags=zmq.NOBLOCK)
+            request = start_seq if isinstance(start_seq, bytes) else start_seq.to_bytes(8, "big")
+            sock.send_multipart((b"", request), flags=zmq.NOBLOCK)
             while True:
-                left_ms = int((deadline - time.monotonic()) * 1000)
-                if left_ms <= 0 or not sock.poll(left_ms):
-                    raise TimeoutError(f"no complete replay answer in {self._replay_timeout}s")
+                # A busy publisher answers a slice at a time: wait for progress, not for all.
+                if not sock.poll(int(self._replay_timeout * 1000)):
+                    raise TimeoutError(f"the replay answer stalled for {self._replay_timeout}s")
                 frames = sock.recv_multipart()
                 if frames and frames[0] == b"":
                     frames = frames[1:]
@@ -475,5 +540,6 @@ __all__ = [
     "PublisherRestarted",
     "ReceivedBatch",
     "StreamId",
+    "StreamSnapshot",
     "SubscriberItem",
 ]

@@ -50,7 +50,13 @@ from kvconnect.router.schemes import (
     checkable,
     first_block_matches,
 )
-from kvconnect.subscriber import EventsLost, PublisherRestarted, ReceivedBatch, SubscriberItem
+from kvconnect.subscriber import (
+    EventsLost,
+    PublisherRestarted,
+    ReceivedBatch,
+    StreamSnapshot,
+    SubscriberItem,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -108,6 +114,7 @@ class IndexStats:
     clears: int = 0
     restarts: int = 0
     gaps_lost: int = 0
+    snapshots: int = 0
     entries_evicted: int = 0
     unmatched_removals: int = 0
     hash_mismatches: int = 0
@@ -178,10 +185,17 @@ class BlockIndex:
             self.stats.restarts += 1
             self.clear_instance(instance, relearn=True)
         elif isinstance(item, EventsLost):
-            # Missed removals could make old entries lie: drop them; fresh events rebuild.
+            # Missed removals could make old entries lie: drop them; fresh events rebuild (or
+            # the snapshot that follows, from a kvconnect publisher).
             self.stats.gaps_lost += 1
             self.clear_instance(instance)
             self._instance(instance).stale = True
+        elif isinstance(item, StreamSnapshot):
+            # The instance's whole state as of a seq: what it held before no longer counts.
+            self.stats.snapshots += 1
+            self.clear_instance(instance)
+            self.apply_batch(instance, item.batch)
+            self._instance(instance).stale = False
 
     def apply_batch(self, instance: str, batch: KVEventBatch) -> None:
         inst = self._instance(instance)

@@ -114,6 +114,7 @@ class Router:
             [i.events_endpoint for i in instances],
             [i.replay_endpoint for i in instances],
             start_seq=0,
+            snapshots=True,  # a router that (re)starts, or loses batches, gets the whole state
         )
         self._thread = threading.Thread(target=self._follow, name="router-events", daemon=True)
         self._thread.start()
@@ -214,6 +215,12 @@ class RouterMetrics(Collector):
             ("batches_applied", "KV event batches applied.", stats.batches_applied),
             ("instance_clears", "Times an instance's entries were dropped.", stats.clears),
             ("publisher_restarts", "Publisher restarts seen.", stats.restarts),
+            ("event_gaps_lost", "Event gaps replay could not repair.", stats.gaps_lost),
+            (
+                "snapshots",
+                "Instance snapshots applied (at first contact, after a loss).",
+                stats.snapshots,
+            ),
             ("index_evictions", "Entries evicted by the index's cap.", stats.entries_evicted),
             ("hash_mismatches", "Events contradicting their own token ids.", stats.hash_mismatches),
             ("gaps_repaired", "Sequence gaps filled from replay.", r.subscriber.num_gaps_repaired),
