@@ -35,7 +35,7 @@ from kvconnect.connector.offload.common import (
     chunk_key,
 )
 from kvconnect.connector.offload.tiers import TierPlacement, create_tier
-from kvconnect.connector.offload.tiers.base import Evicted, Tier, TierError
+from kvconnect.connector.offload.tiers.base import Evicted, Tier, TierError, TierTooSmall
 from kvconnect.events import BlockRemoved, BlockStored, KVCacheEvent
 
 logger = logging.getLogger(__name__)
@@ -97,7 +97,12 @@ class OffloadWorker:
             (len(self._layers), 2, self.config.chunk_size, *first.shape[3:]),
             first.dtype,
         )
-        self.tiers = [create_tier(t, placement) for t in self.config.tiers]
+        self.tiers = []
+        for t in self.config.tiers:
+            try:
+                self.tiers.append(create_tier(t, placement))
+            except TierTooSmall as e:  # the chunk size is known only here, with the cache
+                logger.warning("offload: %s; running without that tier", e)
         for tier in self.tiers:
             for _, info in tier.entries():  # found again after a restart
                 self._events.append(stored_event(info, tier.medium))

@@ -30,6 +30,10 @@ class TierError(RuntimeError):
     """A tier could not serve a chunk (corrupt entry, server gone)."""
 
 
+class TierTooSmall(ValueError):
+    """A tier's budget holds no chunk of this engine's size: the worker runs without it."""
+
+
 @dataclass
 class Evicted:
     key: str

@@ -8,7 +8,7 @@ from typing import Self
 import torch
 
 from kvconnect.connector.offload.common import ChunkInfo, TierConfig
-from kvconnect.connector.offload.tiers.base import Evicted, Tier, TierPlacement
+from kvconnect.connector.offload.tiers.base import Evicted, Tier, TierPlacement, TierTooSmall
 
 
 class CpuTier(Tier):
@@ -25,7 +25,7 @@ class CpuTier(Tier):
         slot_bytes = numel * dtype.itemsize
         self.num_slots = max_bytes // slot_bytes
         if self.num_slots < 1:
-            raise ValueError(f"cpu tier: max_bytes={max_bytes} holds no chunk of {slot_bytes} B")
+            raise TierTooSmall(f"cpu tier: max_bytes={max_bytes} holds no chunk of {slot_bytes} B")
         self.chunk_shape = chunk_shape
         # Allocated once; pinned memory is not available on CPU-only torch, so plain pages.
         self._buffer = torch.empty((self.num_slots, *chunk_shape), dtype=dtype)
