@@ -223,11 +223,11 @@ def test_publisher_restart_is_reported_then_new_stream_read_from_zero() -> None:
         pub.shutdown()
 
 
-@pytest.mark.parametrize("new_publishes", [100, 200])
+@pytest.mark.parametrize("new_publishes", [0, 50, 99, 100, 101, 200])
 def test_a_restart_behind_a_disconnect_is_seen_whatever_the_new_seqs(new_publishes: int) -> None:
     """A publishes 0..99 and stops; B, on the same addresses, publishes 0..N-1 before the
-    subscriber is back. N=100 continues A's seqs exactly, N=200 passes them: in neither case
-    may B's batches be read as A's continuation."""
+    subscriber is back. N below 100 goes back, N=100 continues A's seqs exactly, N above
+    passes them: in no case may B's batches be read as A's continuation."""
     ep, rp = tcp_pair()
     a = ZmqEventPublisher(bind=True, endpoint=ep, replay_endpoint=rp)
     sub = KVEventSubscriber(ep, rp)
