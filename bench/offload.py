@@ -2,7 +2,8 @@
 
 Prints one line: store and load GB/s of the cpu, disk and redis tiers for 1 MiB chunks (the
 tiny model's 256-token chunk), beside a plain `copy_` between preallocated tensors, a plain file
-write/read of the same bytes, and plain pipelined redis SET/GET of the same values; then the
+write/read of the same bytes, and plain pipelined redis SET/GET of the same values, and the
+redis tier against a three-master Redis Cluster (`"cluster": true`); then the
 TTFT of a 4,096-token prompt recomputed vs loaded from each tier (tiny model, TP=1); then the
 redis tier's eviction watcher (bench/redis_watch.py): notifications handled per second beside a
 bare pub/sub loop, and the lag from an eviction to its BlockRemoved at a subscriber.
@@ -26,7 +27,7 @@ from kvconnect.connector.offload.tiers.base import Tier, pack
 from kvconnect.connector.offload.tiers.cpu import CpuTier
 from kvconnect.connector.offload.tiers.disk import DiskTier
 from kvconnect.connector.offload.tiers.redis import RedisTier
-from kvconnect.redis_server import LocalRedis
+from kvconnect.redis_server import LocalRedis, LocalRedisCluster
 
 try:  # run as `python bench/offload.py`: redis_watch sits beside it
     from redis_watch import measure as redis_watch
@@ -123,6 +124,7 @@ def ttft(tier: dict[str, Any], prompt: list[int]) -> tuple[float, float]:
 
 def main() -> None:
     server = LocalRedis()
+    cluster = LocalRedisCluster()
     url = server.url
     root = tempfile.mkdtemp()
     try:
@@ -138,6 +140,9 @@ def main() -> None:
             f"(plain {bare[k][0]:.2f}/{bare[k][1]:.2f})"
             for k in ours
         )
+        # The same chunks through a 3-master cluster (keys spread over the masters).
+        store, load = tier_rates(RedisTier(cluster.url, cluster=True), chunks())
+        rates += f"; redis cluster (3 masters) store/load {store:.2f}/{load:.2f} GB/s"
         prompt = [i % 256 for i in range(4096)]
         tiers = {
             "cpu": {"kind": "cpu", "max_bytes": 1 << 26},
@@ -153,6 +158,7 @@ def main() -> None:
         )
     finally:
         server.stop()
+        cluster.stop()
         shutil.rmtree(root, ignore_errors=True)
 
 

@@ -32,7 +32,7 @@ NUM = 20_000
 
 
 def keys_of(last: bytes) -> list[str]:
-    return [f"{PREFIX}{r}/{last.hex()}" for r in range(2)]
+    return [f"{PREFIX}{r}/{{{last.hex()}}}" for r in range(2)]
 
 
 def lasts(start: int, n: int) -> list[bytes]:

@@ -40,6 +40,8 @@ class TierConfig:
     watch: bool = True
     """Redis: follow the server's keyspace notifications, so that what Redis evicts or
     expires is announced (BlockRemoved, medium EXTERNAL); see tiers/redis_watch.py."""
+    cluster: bool = False
+    """Redis: `url` is any node of a Redis Cluster (or Valkey cluster)."""
 
 
 @dataclass(frozen=True)
@@ -82,7 +84,7 @@ class OffloadConfig:
                 raise ValueError(
                     f"OffloadConnector: tiers[{i}]={raw!r}: needs kind in {', '.join(TIER_KINDS)}"
                 )
-            valid = {"kind", "max_bytes", "path", "url", "ttl_s", "watch"}
+            valid = {"kind", "max_bytes", "path", "url", "ttl_s", "watch", "cluster"}
             if set(raw) - valid:
                 raise ValueError(
                     f"OffloadConnector: tiers[{i}] keys {sorted(set(raw) - valid)}"
@@ -95,16 +97,19 @@ class OffloadConfig:
                 raise ValueError(f"OffloadConnector: tiers[{i}] (redis) needs a url")
             if tier.max_bytes <= 0:
                 raise ValueError(f"OffloadConnector: tiers[{i}] max_bytes must be > 0")
-            if tier.kind != "redis" and ({"ttl_s", "watch"} & set(raw)):
-                raise ValueError(f"OffloadConnector: tiers[{i}]: ttl_s and watch are redis options")
+            if tier.kind != "redis" and ({"ttl_s", "watch", "cluster"} & set(raw)):
+                raise ValueError(
+                    f"OffloadConnector: tiers[{i}]: ttl_s, watch and cluster are redis options"
+                )
             if tier.ttl_s is not None and (
                 not isinstance(tier.ttl_s, int | float)
                 or isinstance(tier.ttl_s, bool)
                 or tier.ttl_s <= 0
             ):
                 raise ValueError(f"OffloadConnector: tiers[{i}] ttl_s={tier.ttl_s!r} must be > 0")
-            if not isinstance(tier.watch, bool):
-                raise ValueError(f"OffloadConnector: tiers[{i}] watch must be true or false")
+            for flag in ("watch", "cluster"):
+                if not isinstance(getattr(tier, flag), bool):
+                    raise ValueError(f"OffloadConnector: tiers[{i}] {flag} must be true or false")
             tiers.append(tier)
         if not tiers:
             raise ValueError("OffloadConnector: kv_connector_extra_config['tiers'] is empty")
@@ -118,7 +123,11 @@ class OffloadConfig:
 
 
 def chunk_key(model: str, world_size: int, rank: int, last_block_hash: bytes) -> str:
-    return f"{model}/{world_size}/{rank}/{last_block_hash.hex()}"
+    """`model/world/rank/{hex}`. The braces are a Redis Cluster hash tag: every rank's key of
+    one chunk lands in one hash slot, so one EXISTS checks them all (braces in the model name
+    would move the tag, so they are replaced)."""
+    name = model.replace("{", "(").replace("}", ")")
+    return f"{name}/{world_size}/{rank}/{{{last_block_hash.hex()}}}"
 
 
 @dataclass(frozen=True)

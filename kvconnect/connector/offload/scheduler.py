@@ -80,7 +80,13 @@ class OffloadScheduler:
             tier = create_tier(shared[0], placement)
             tier.check_reachable()  # before any worker starts: a wrong URL fails at once
             self.lookup = PrefixLookup(tier)
-            if shared[0].kind == "redis" and shared[0].watch:
+            if shared[0].kind == "redis" and shared[0].watch and shared[0].cluster:
+                # Keyspace notifications are per node in a cluster: not followed (yet).
+                logger.warning(
+                    "offload: the redis cluster tier does not follow evictions; what the "
+                    "cluster drops is found by a load miss and recomputed"
+                )
+            elif shared[0].kind == "redis" and shared[0].watch:
                 self.watcher = RedisWatcher(
                     shared[0].url,
                     f"{context.model_name}/{context.world_size}/",

@@ -14,6 +14,7 @@ import pytest
 import redis
 
 from kvconnect import LLM, SamplingParams
+from kvconnect.connector.offload.common import chunk_key
 from kvconnect.connector.offload.connector import OffloadConnector
 from kvconnect.connector.offload.tiers.base import unpack
 from kvconnect.connector.offload.tiers.redis import KEY_PREFIX
@@ -225,13 +226,16 @@ def test_a_connector_reset_removes_its_tiers_entries_and_leaves_the_gpu_ones(
 
 def test_keys_of_another_model_or_world_size_are_not_this_instances_to_announce() -> None:
     prefix, digest = KEY_PREFIX + "m/1/", "ab" * 32
-    assert last_hash_of(f"{prefix}0/{digest}".encode(), prefix) == bytes.fromhex(digest)
+    key = KEY_PREFIX + chunk_key("m", 1, 0, bytes.fromhex(digest))
+    assert key == f"{prefix}0/{{{digest}}}"  # the hash tag keeps a chunk's ranks in one slot
+    assert last_hash_of(key.encode(), prefix) == bytes.fromhex(digest)
     for key in (
-        f"{KEY_PREFIX}other/1/0/{digest}",
-        f"{KEY_PREFIX}m/2/0/{digest}",
+        f"{KEY_PREFIX}other/1/0/{{{digest}}}",
+        f"{KEY_PREFIX}m/2/0/{{{digest}}}",
         "unrelated",
-        f"{prefix}0/zz",
-        f"{prefix}x/{digest}",
+        f"{prefix}0/{{zz}}",
+        f"{prefix}0/{digest}",
+        f"{prefix}x/{{{digest}}}",
         f"{prefix}0/",
     ):
         assert last_hash_of(key, prefix) is None, key

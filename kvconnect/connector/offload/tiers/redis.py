@@ -2,7 +2,10 @@
 
 Layout: one string value per chunk and rank, under `kvconnect:<chunk key>` (see
 `common.chunk_key`), holding the same self-checking record as a disk tier file, with an expiry
-when the tier has `ttl_s`. Workers announce what they store; what Redis drops on its own (its
+when the tier has `ttl_s`. With `"cluster": true` the URL is any node of a Redis Cluster: the
+chunk key's hash tag puts every rank's key of a chunk in one slot (one EXISTS per chunk), the
+client follows slot moves and failovers, and what a failed master had not yet replicated is a
+load miss, recomputed. Workers announce what they store; what Redis drops on its own (its
 maxmemory policy, expiry) the scheduler half learns from Redis's keyspace notifications and
 announces (`redis_watch.py`). A GET that misses or fails a check is a load error and the engine
 recomputes. A server that is down turns into errors that are logged and counted, never into a
@@ -17,6 +20,8 @@ from typing import Any, Self
 
 import redis
 import torch
+from redis.cluster import RedisCluster
+from redis.exceptions import RedisClusterException
 
 from kvconnect.connector.offload.common import ChunkInfo, TierConfig
 from kvconnect.connector.offload.tiers.base import (
@@ -30,6 +35,9 @@ from kvconnect.connector.offload.tiers.base import (
 
 logger = logging.getLogger(__name__)
 KEY_PREFIX = "kvconnect:"
+ERRORS = (redis.RedisError, RedisClusterException)
+"""What a server or cluster that is down or failing over raises (the cluster client's own
+"no node reachable" is not a RedisError)."""
 
 
 def redact(url: str) -> str:
@@ -38,8 +46,12 @@ def redact(url: str) -> str:
     return f"{scheme}{sep}{rest.rpartition('@')[2]}" if sep else url
 
 
-def connect(url: str) -> redis.Redis:
-    """A client for `url` (password and rediss:// TLS as in the URL) with short timeouts."""
+def connect(url: str, cluster: bool = False) -> Any:
+    """A client for `url` (password and rediss:// TLS as in the URL) with short timeouts; for
+    a cluster, one that finds every node from the one named and follows slot moves and
+    failovers."""
+    if cluster:
+        return RedisCluster.from_url(url, socket_timeout=2.0, socket_connect_timeout=2.0)
     return redis.Redis.from_url(url, socket_timeout=2.0, socket_connect_timeout=2.0)
 
 
@@ -49,40 +61,60 @@ class RedisTier(Tier):
 
     @classmethod
     def from_config(cls, config: TierConfig, placement: TierPlacement) -> Self:
-        return cls(config.url, config.ttl_s)
+        return cls(config.url, config.ttl_s, config.cluster)
 
-    def __init__(self, url: str, ttl_s: float | None = None) -> None:
+    def __init__(self, url: str, ttl_s: float | None = None, cluster: bool = False) -> None:
         self.url = redact(url)
+        self._raw_url = url
         self.ttl_ms = None if ttl_s is None else max(1, round(ttl_s * 1000))
-        self._client: Any = connect(url)
+        self.cluster = cluster
+        self._client: Any = None
         self.num_errors = 0
+        try:
+            self._client = connect(url, cluster)
+        except ERRORS as e:  # a cluster client asks its nodes at once
+            self._failed("connect", e)
+
+    def _conn(self) -> Any:
+        """The client; a cluster client that could not be made at start is tried again."""
+        if self._client is None:
+            try:
+                self._client = connect(self._raw_url, self.cluster)
+            except ERRORS as e:
+                raise TierError(self._failed("connect", e)) from e
+        return self._client
 
     def check_reachable(self) -> None:
         """`ValueError` naming the URL unless the server answers (checked at start)."""
         try:
+            if self._client is None:
+                raise redis.ConnectionError("no node of the cluster answered")
             self._client.ping()
-        except redis.RedisError as e:
-            raise ValueError(f"redis tier {self.url} is unreachable: {e}") from None
+        except ERRORS as e:
+            what = "redis cluster tier" if self.cluster else "redis tier"
+            raise ValueError(f"{what} {self.url} is unreachable: {e}") from None
 
     def contains(self, key: str) -> bool:
         try:
-            return bool(self._client.exists(KEY_PREFIX + key))
-        except redis.RedisError as e:
+            return bool(self._conn().exists(KEY_PREFIX + key))
+        except ERRORS as e:
             self._failed("exists", e)
+            return False
+        except TierError:
             return False
 
     def put(self, key: str, info: ChunkInfo, data: torch.Tensor) -> list[Evicted]:
         value = b"".join(pack(key, info, data))
         try:
-            self._client.set(KEY_PREFIX + key, value, px=self.ttl_ms)
-        except redis.RedisError as e:
+            self._conn().set(KEY_PREFIX + key, value, px=self.ttl_ms)
+        except ERRORS as e:
             raise TierError(self._failed("set", e)) from e
         return []
 
     def get(self, key: str) -> torch.Tensor | None:
         try:
-            blob = self._client.get(KEY_PREFIX + key)
-        except redis.RedisError as e:
+            blob = self._conn().get(KEY_PREFIX + key)
+        except ERRORS as e:
             raise TierError(self._failed("get", e)) from e
         if blob is None:
             return None
@@ -90,12 +122,13 @@ class RedisTier(Tier):
 
     def num_held_prefix(self, chunks: Sequence[Sequence[str]]) -> int:
         """One pipelined round trip: an EXISTS of every rank's key per chunk."""
-        pipe = self._client.pipeline(transaction=False)
-        for keys in chunks:
-            pipe.exists(*[KEY_PREFIX + k for k in keys])
         try:
+            # Each chunk's keys share a hash slot (see chunk_key): one EXISTS, also on a cluster.
+            pipe = self._conn().pipeline(transaction=False)
+            for keys in chunks:
+                pipe.exists(*[KEY_PREFIX + k for k in keys])
             counts = pipe.execute()
-        except redis.RedisError as e:
+        except ERRORS as e:
             raise TierError(self._failed("exists", e)) from e
         num = 0
         while num < len(chunks) and counts[num] == len(chunks[num]):
@@ -118,4 +151,5 @@ class RedisTier(Tier):
         return msg
 
     def close(self) -> None:
-        self._client.close()
+        if self._client is not None:
+            self._client.close()

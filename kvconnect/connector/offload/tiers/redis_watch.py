@@ -59,7 +59,7 @@ def merged_flags(current: str) -> str:
 
 
 def last_hash_of(key: bytes | str, prefix: str) -> bytes | None:
-    """The chunk (its last block hash) a key `prefix<rank>/<hex>` names; None for a key of
+    """The chunk (its last block hash) a key `prefix<rank>/{<hex>}` names; None for a key of
     another model or world size, or not the tier's at all."""
     name = key.decode(errors="replace") if isinstance(key, bytes) else key
     if not name.startswith(prefix):
@@ -67,8 +67,10 @@ def last_hash_of(key: bytes | str, prefix: str) -> bytes | None:
     rank, _, digest = name[len(prefix) :].partition("/")
     if not rank.isdigit():
         return None
+    if not (digest.startswith("{") and digest.endswith("}")):
+        return None
     try:
-        return bytes.fromhex(digest) or None
+        return bytes.fromhex(digest[1:-1]) or None
     except ValueError:
         return None
 
