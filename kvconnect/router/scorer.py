@@ -6,15 +6,19 @@
 (at its own block size), each block's tokens weighted by its best tier (GPU 1.0, CPU 0.8,
 DISK 0.5, EXTERNAL 0.3 by default): roughly the prefill it saves. `load_weight` is how many
 tokens of prefill one request already in flight is worth (default 64). The lowest cost wins;
-ties go to the less loaded instance, then to the one chosen least often so far (cold traffic
-spreads), then to the earlier one in the list. With nothing cached anywhere this is
-least-loaded routing.
+ties go to the less loaded instance, then by rendezvous hashing of the request's `spread_key`
+(its first tokens) with each instance's name: cold traffic spreads evenly, one prompt keeps
+going to one place, and router replicas that see the same state decide alike (nothing in the
+choice depends on a replica's own history). With nothing cached anywhere this is least-loaded
+routing.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+
+import xxhash
 
 from kvconnect.router.index import PrefixScore
 
@@ -34,7 +38,7 @@ def choose(
     loads: Mapping[str, int],
     num_tokens: int,
     load_weight: float = DEFAULT_LOAD_WEIGHT,
-    num_chosen: Mapping[str, int] | None = None,
+    spread_key: int = 0,
 ) -> Decision:
     """The cheapest of `candidates` (non-empty) for a request of `num_tokens` prompt tokens."""
     if not candidates:
@@ -45,8 +49,15 @@ def choose(
         score = scores.get(name) or PrefixScore()
         load = loads.get(name, 0)
         cost = (num_tokens - score.weighted_tokens) + load_weight * load
-        key = (round(cost, 9), load, (num_chosen or {}).get(name, 0), order)
+        spread = -xxhash.xxh3_64_intdigest(name.encode(), seed=spread_key & (2**64 - 1))
+        key = (round(cost, 9), load, spread, order)
         if best is None or key < best:
             best, decision = key, Decision(name, cost, score)
     assert decision is not None
     return decision
+
+
+def spread_key(token_ids: Sequence[int]) -> int:
+    """The request's tie-break key, from its first 64 tokens: requests that start alike go
+    to one place when neither cache nor load decides (where their prefix will then be)."""
+    return xxhash.xxh3_64_intdigest(repr(list(token_ids[:64])).encode())

@@ -47,8 +47,8 @@ from kvconnect.api.protocol import (
 )
 from kvconnect.router.health import HealthChecker
 from kvconnect.router.index import BlockIndex, PrefixScore
-from kvconnect.router.scorer import DEFAULT_LOAD_WEIGHT, choose
-from kvconnect.subscriber import KVEventSubscriber
+from kvconnect.router.scorer import DEFAULT_LOAD_WEIGHT, choose, spread_key
+from kvconnect.subscriber import KVEventSubscriber, ReceivedBatch, StreamSnapshot
 from kvconnect.tokenizer import ChatTemplateError, Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -110,6 +110,8 @@ class Router:
             index.add_instance(inst.name)
         # The subscriber names a stream by the endpoint it reads; that maps to one instance.
         self._name_by_endpoint = {i.events_endpoint: i.name for i in instances}
+        self.last_seq: dict[str, int] = {}
+        """Per instance, the seq of the last batch (or snapshot) its index state includes."""
         self.subscriber = KVEventSubscriber(
             [i.events_endpoint for i in instances],
             [i.replay_endpoint for i in instances],
@@ -121,8 +123,11 @@ class Router:
 
     def _follow(self) -> None:
         for item in self.subscriber:
+            name = self._name_by_endpoint[item.stream.endpoint]
             with self.lock:
-                self.index.apply_item(self._name_by_endpoint[item.stream.endpoint], item)
+                self.index.apply_item(name, item)
+                if isinstance(item, ReceivedBatch | StreamSnapshot):
+                    self.last_seq[name] = item.seq
 
     def scores(self, token_ids: list[int], cache_salt: str | None = None) -> dict[str, PrefixScore]:
         """Per instance name, what it holds of the request's prefix."""
@@ -144,7 +149,7 @@ class Router:
             {n: self.in_flight[n] for n in names},
             len(token_ids),
             self.load_weight,
-            {n: self.decisions[n] for n in names},
+            spread_key(token_ids),
         )
         return self._by_name[decision.instance], decision.score
 

@@ -1,7 +1,7 @@
 import pytest
 
 from kvconnect.router.index import PrefixScore
-from kvconnect.router.scorer import choose
+from kvconnect.router.scorer import choose, spread_key
 
 A, B, C = "a", "b", "c"
 BS = 16
@@ -29,9 +29,22 @@ def test_load_outweighs_a_small_hit_but_not_a_large_one() -> None:
 
 def test_cold_request_goes_to_the_least_loaded_and_ties_to_the_first() -> None:
     assert choose([A, B, C], {}, {A: 2, B: 0, C: 1}, PROMPT).instance == B
-    assert choose([A, B, C], {}, {}, PROMPT).instance == A
-    assert choose([A, B, C], {}, {}, PROMPT, num_chosen={A: 1, B: 1}).instance == C
     assert choose([A, B], {A: s(4)}, {A: 1, B: 0}, PROMPT).instance == B  # equal cost: less load
+
+
+def test_ties_spread_by_request_and_do_not_depend_on_order_or_history() -> None:
+    """Rendezvous hashing of the request's key: cold requests spread evenly, one key always
+    lands on one instance, whatever the candidates' order: replicas decide alike."""
+    names = [f"http://i{i}:8000" for i in range(4)]
+    picks = [choose(names, {}, {}, PROMPT, spread_key=k).instance for k in range(400)]
+    counts = {n: picks.count(n) for n in names}
+    assert all(60 < c < 140 for c in counts.values()), counts
+    for k in range(50):
+        assert choose(names[::-1], {}, {}, PROMPT, spread_key=k).instance == picks[k]
+    # An instance that leaves only moves the keys that were on it.
+    rest = [choose(names[1:], {}, {}, PROMPT, spread_key=k).instance for k in range(400)]
+    assert all(r == p for r, p in zip(rest, picks, strict=True) if p != names[0])
+    assert spread_key(list(range(100))) == spread_key(list(range(64)) + [7] * 36)
 
 
 def test_shared_tier_score_counts_for_everyone() -> None:
