@@ -2,7 +2,11 @@
 
 Prints one line:
 - index events applied per second (BlockStored/BlockRemoved of 16 blocks each), beside a bare
-  dict-count loop over the same hashes (the limit);
+  dict-count loop over the same hashes (the limit), and the index's memory per million entries;
+- routing decisions (score + choose) over 64 instances holding 1M indexed blocks, p50/p99, for
+  8,192- and 100,000-token prompts, cold (a prefix nobody holds) and extending a prefix the
+  instances hold and the router has seen (its hash memo), beside bare dict lookups of the held
+  hashes (the floor for walking the prefix);
 - lookup latency for an 8,192-token prompt: hashing its 512 blocks, then scoring them;
 - hashing cost per 1,000 tokens for each of vLLM's algorithms, beside bare hashlib.sha256 over
   the very bytes it hashes (the serialisations made beforehand: the limit);
@@ -36,7 +40,7 @@ from kvconnect.events import BlockRemoved, BlockStored, KVEventBatch
 from kvconnect.hashing import ALGORITHMS, block_hashes, seed_hash, to_wire
 from kvconnect.router.index import BlockIndex, PrefixScore
 from kvconnect.router.schemes import HashScheme
-from kvconnect.router.scorer import choose
+from kvconnect.router.scorer import choose, spread_key
 
 BS = 16
 NUM_INSTANCES = 4
@@ -144,6 +148,59 @@ def keyed_apply_rates() -> tuple[float, float]:
     return rates[0], rates[1]
 
 
+def rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+def decisions() -> tuple[dict[str, tuple[float, float]], float, float]:
+    """{case: (p50, p99) seconds}, the bare lookup floor for the 100k shared case, and the
+    index's bytes per million entries."""
+    rng = random.Random(7)
+    docs = [[rng.randrange(49152) for _ in range(100_000)] for _ in range(8)]
+    before = rss()
+    index = BlockIndex(BS, max_entries=2_000_000)
+    scheme = index.scheme
+    chains = [scheme.wire_hashes(d, BS) for d in docs]
+    names = [f"http://i{i}:8000" for i in range(64)]
+    per_instance = 1_000_000 // len(names)
+    for i, name in enumerate(names):
+        doc, chain = docs[i % 8], chains[i % 8]
+        held = rng.randrange(len(chain) // 2, len(chain))  # a prefix of one document
+        stored = BlockStored(chain[:held], None, doc[: held * BS], BS, None, "GPU", None)
+        filler = [rng.getrandbits(64) for _ in range(per_instance - held)]
+        events = [stored, BlockStored(filler, None, [], BS, None, "CPU", None)]
+        index.apply_batch(name, KVEventBatch(0.0, events, 0))  # type: ignore[arg-type]
+    num_entries = index.num_entries
+    per_million = (rss() - before) / num_entries * 1e6
+    cases = {
+        "8k cold": lambda: [rng.randrange(49152) for _ in range(8192)],
+        "8k shared": lambda: docs[0][:8000] + [rng.randrange(49152) for _ in range(192)],
+        "100k cold": lambda: [rng.randrange(49152) for _ in range(100_000)],
+        "100k shared": lambda: docs[0][:90_000] + [rng.randrange(49152) for _ in range(10_000)],
+    }
+    out = {}
+    loads = dict.fromkeys(names, 0)
+    for case, make in cases.items():
+        prompts = [make() for _ in range(40)]
+        index.score(prompts[0])  # the router has seen this prefix before (the memo)
+        times = []
+        for p in prompts:
+            t0 = time.perf_counter()
+            choose(names, index.score(p), loads, len(p), spread_key=spread_key(p))
+            times.append(time.perf_counter() - t0)
+        times.sort()
+        out[case] = (statistics.median(times), times[int(len(times) * 0.99) - 1])
+    entries = index._entries
+    held = chains[0][: 90_000 // BS]
+    t0 = time.perf_counter()
+    for _ in range(10):
+        for h in held:
+            entries.get(h)
+    floor = (time.perf_counter() - t0) / 10
+    return out, floor, per_million
+
+
 def lookup_latency() -> tuple[float, float]:
     index = BlockIndex(BS)
     tokens = [random.Random(1).randrange(256) for _ in range(8192)]
@@ -242,6 +299,7 @@ def main() -> None:
     logging.disable(logging.WARNING)  # the router-keyed stream is expected, not news
     spt = prefill_seconds_per_token()
     ours, bare = index_rate()
+    cases, floor, per_million = decisions()
     hashing, scoring = lookup_latency()
     costs, bare_sha = hashing_costs()
     engine_keyed, router_keyed = keyed_apply_rates()
@@ -250,7 +308,11 @@ def main() -> None:
         hit, p50, p90 = simulate(name, spt)
         parts.append(f"{name} hit {hit:.0%} TTFT p50/p90 {p50 * 1000:.0f}/{p90 * 1000:.0f} ms")
     print(
-        f"router: index {ours / 1e6:.2f}M events/s (bare dict count {bare / 1e6:.2f}M); "
+        f"router: index {ours / 1e6:.2f}M events/s (bare dict count {bare / 1e6:.2f}M, "
+        f"ratio {ours / bare:.2f}), {per_million / 2**20:.0f} MiB per 1M entries; "
+        "decision p50/p99 ms, 64 instances, 1M blocks: "
+        + ", ".join(f"{c} {a * 1e3:.2f}/{b * 1e3:.2f}" for c, (a, b) in cases.items())
+        + f" (bare dict lookups of the 5,625 held blocks {floor * 1e3:.2f}); "
         f"8192-token lookup {hashing * 1000:.2f} ms hashing + {scoring * 1e6:.0f} us scoring; "
         "hashing us/1k tokens: "
         + " ".join(f"{a} {us:.0f}" for a, us in costs.items())

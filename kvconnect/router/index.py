@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter, OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from kvconnect.events import (
@@ -44,6 +44,7 @@ from kvconnect.events import (
 )
 from kvconnect.hashing import DEFAULT_ALGORITHM
 from kvconnect.router.schemes import (
+    ChainMemo,
     HashScheme,
     RouterKeys,
     candidate_schemes,
@@ -136,10 +137,12 @@ class BlockIndex:
         max_entries: int = 1_000_000,
         tier_weights: dict[str, float] | None = None,
         external_shared: bool = True,
+        memo_blocks: int = 200_000,
     ) -> None:
         """`block_size` and the scheme (`hash_algorithm`, `hash_seed`; None is vLLM's rule)
         are what the router assumes until an instance's events say otherwise; the scheme also
-        keys instances whose own hashes no candidate reproduces."""
+        keys instances whose own hashes no candidate reproduces. `memo_blocks` bounds the
+        memo of request block hashes (`schemes.ChainMemo`)."""
         self.block_size = block_size
         self.scheme = HashScheme.resolve(hash_algorithm, hash_seed)
         self.candidates = (
@@ -152,6 +155,7 @@ class BlockIndex:
         self._by_slot: list[_Instance] = []
         self._entries: OrderedDict[ExternalBlockHash, dict[Key, int]] = OrderedDict()
         self.stats = IndexStats()
+        self.memo = ChainMemo(memo_blocks)
 
     @property
     def num_entries(self) -> int:
@@ -198,55 +202,61 @@ class BlockIndex:
             self._instance(instance).stale = False
 
     def apply_batch(self, instance: str, batch: KVEventBatch) -> None:
+        """The hot path: one dict operation per block, no allocation per existing entry."""
         inst = self._instance(instance)
-        self.stats.batches_applied += 1
+        stats = self.stats
+        stats.batches_applied += 1
+        stats.events_applied += len(batch.events)
+        entries = self._entries
+        move_to_end = entries.move_to_end
+        max_entries = self.max_entries
+        slot = inst.slot
         for event in batch.events:
-            self.stats.events_applied += 1
             if isinstance(event, BlockStored):
                 if event.parent_block_hash is None and inst.router_keys is None:
                     self._check_scheme(inst, event)
                 keys = event.block_hashes
                 if inst.router_keys is not None:
                     keys = inst.router_keys.store(event)
-                self._store(keys, (inst.slot, inst.generation, event.medium or "GPU"))
+                key = (slot, inst.generation, event.medium or "GPU")
+                for h in keys:
+                    holders = entries.get(h)
+                    if holders is None:
+                        entries[h] = {key: 1}
+                        if len(entries) > max_entries:
+                            entries.popitem(last=False)
+                            stats.entries_evicted += 1
+                    else:
+                        move_to_end(h)
+                        holders[key] = holders.get(key, 0) + 1
             elif isinstance(event, BlockRemoved):
-                key = (inst.slot, inst.generation, event.medium or "GPU")
+                medium = event.medium or "GPU"
+                key = (slot, inst.generation, medium)
                 router_keys = inst.router_keys
+                removed = 0
                 for h in event.block_hashes:
                     mapped = h if router_keys is None else router_keys.remove(h)
-                    if mapped is not None:
-                        self._remove(mapped, key)
+                    if mapped is None:
+                        continue
+                    holders = entries.get(mapped)
+                    count = None if holders is None else holders.get(key)
+                    if holders is None or count is None:
+                        stats.unmatched_removals += 1
+                    elif count > 1:
+                        holders[key] = count - 1
+                        removed += 1
+                    else:
+                        del holders[key]
+                        removed += 1
+                        if not holders:
+                            del entries[mapped]
+                        else:
+                            self._sweep(mapped, holders)
+                if removed:
+                    stats.removed[medium] += removed
             elif isinstance(event, AllBlocksCleared):
                 self.clear_instance(instance)
                 inst.stale = False  # a full clear is a resync point
-
-    def _store(self, hashes: Sequence[ExternalBlockHash], key: Key) -> None:
-        """The hot path of `apply_batch`: count `key` once more for each hash."""
-        entries = self._entries
-        for h in hashes:
-            holders = entries.get(h)
-            if holders is None:
-                entries[h] = {key: 1}
-                if len(entries) > self.max_entries:
-                    entries.popitem(last=False)
-                    self.stats.entries_evicted += 1
-            else:
-                entries.move_to_end(h)
-                holders[key] = holders.get(key, 0) + 1
-
-    def _remove(self, h: ExternalBlockHash, key: Key) -> None:
-        """Count `key` once less for `h`; a removal nothing matches is counted, not an error."""
-        holders = self._entries.get(h)
-        count = holders.get(key) if holders is not None else None
-        if holders is None or count is None:
-            self.stats.unmatched_removals += 1
-            return
-        self.stats.removed[key[2]] += 1
-        if count > 1:
-            holders[key] = count - 1
-        else:
-            del holders[key]
-            self._sweep(h, holders)
 
     def _sweep(self, h: ExternalBlockHash, holders: dict[Key, int]) -> None:
         """Drop holders of old generations; the entry itself when nobody is left."""
@@ -343,7 +353,9 @@ class BlockIndex:
             groups.setdefault((scheme, inst.block_size), []).append(inst.slot)
         out = {inst.name: PrefixScore() for inst in self._by_slot}
         for (scheme, bs), slots in groups.items():
-            hashes = scheme.wire_hashes(token_ids, bs, cache_salt=cache_salt)
+            # Hashed lazily (and from the memo where the prefix was seen): scoring stops at the
+            # first block no instance holds, and so does hashing.
+            hashes = scheme.iter_wire_hashes(token_ids, bs, self.memo, cache_salt)
             for slot, score in self._score_slots(hashes, slots).items():
                 score.block_size = bs
                 out[self._by_slot[slot].name] = score
@@ -357,21 +369,31 @@ class BlockIndex:
         return {self._by_slot[slot].name: score for slot, score in scores.items()}
 
     def _score_slots(
-        self, hashes: Sequence[ExternalBlockHash], slots: Sequence[int]
+        self, hashes: Iterable[ExternalBlockHash], slots: Sequence[int]
     ) -> dict[int, PrefixScore]:
         """For these instance slots: the longest run of consecutive prefix blocks each can
-        serve, each block weighted by the best tier it is in there."""
+        serve, each block weighted by the best tier it is in there. Consecutive blocks with
+        the same holders (the common case: a prefix several instances hold) are counted as one
+        run, so a long shared prefix costs a lookup and a key comparison per block."""
         by_slot = self._by_slot
         gens = [inst.generation for inst in by_slot]
         weights, shared_tier = self.tier_weights, self.external_shared
+        entries = self._entries
         counts = dict.fromkeys(slots, 0)
         weighted = dict.fromkeys(slots, 0.0)
         tiers: dict[int, dict[str, int]] = {s: {} for s in slots}
         alive = list(slots)
+        run = 0  # blocks in the current run of identical holders
+        run_best: dict[int, tuple[float, str]] = {}
+        prev: dict[Key, int] | None = None
         for h in hashes:
-            holders = self._entries.get(h)
-            if not holders or not alive:
+            holders = entries.get(h)
+            if not holders:
                 break
+            if prev is not None and holders.keys() == prev.keys():
+                run += 1
+                continue
+            self._credit(run_best, run, counts, weighted, tiers)
             best: dict[int, tuple[float, str]] = {}
             shared: tuple[float, str] | None = None
             for slot, gen, medium in holders:
@@ -383,19 +405,35 @@ class BlockIndex:
                         shared = w
                 elif slot not in best or w > best[slot]:
                     best[slot] = w
-            still = []
+            run_best = {}
             for slot in alive:
                 b = best.get(slot)
                 if shared is not None and (b is None or shared > b):
                     b = shared
-                if b is None:
-                    continue
-                still.append(slot)
-                counts[slot] += 1
-                weighted[slot] += b[0]
-                tiers[slot][b[1]] = tiers[slot].get(b[1], 0) + 1
-            alive = still
+                if b is not None:
+                    run_best[slot] = b
+            alive = list(run_best)
+            if not alive:
+                break
+            run, prev = 1, holders
+        self._credit(run_best, run, counts, weighted, tiers)
         return {s: PrefixScore(counts[s], weighted[s], tiers[s]) for s in slots}
+
+    @staticmethod
+    def _credit(
+        run_best: dict[int, tuple[float, str]],
+        run: int,
+        counts: dict[int, int],
+        weighted: dict[int, float],
+        tiers: dict[int, dict[str, int]],
+    ) -> None:
+        """Credit each slot of a run of `run` blocks with its tier in that run."""
+        if not run:
+            return
+        for slot, (w, medium) in run_best.items():
+            counts[slot] += run
+            weighted[slot] += w * run
+            tiers[slot][medium] = tiers[slot].get(medium, 0) + run
 
     def mark_stale(
         self,

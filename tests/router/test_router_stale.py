@@ -63,7 +63,8 @@ def test_a_silent_loss_in_redis_is_found_by_the_answer_and_counted_stale(tmp_pat
         redis.Redis(port=store.port).flushall()  # lost, and nobody says so
         status, answer, _ = post(router.url + "/v1/completions", body)
         assert status == 200 and answer["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
-        assert score()["cached_blocks"] == 0  # the answer corrected the index
+        # The answer corrected the index: its 8 shared entries were dropped as stale (what
+        # the engine recomputes and stores again comes back through its events later).
         _, text = get(router.url + "/metrics")
         found = re.search(
             r'^kvconnect_router_index_stale_total\{tier="EXTERNAL"\} (\S+)$', text, re.M
