@@ -1,6 +1,7 @@
 """Which instance holds which block, in which tier, built from the instances' KV event streams.
 
-    entries:  block key -> {(instance slot, generation, medium): count}     (LRU ordered)
+    entries:  block key -> (instance slot, generation, medium)    one holder, count 1
+                           | {(instance slot, generation, medium): count}   (LRU ordered)
 
 An instance is named once, when it is registered (`add_instance`; the router uses its URL), and
 that one name is used by the index, the scorer, metrics and logs.
@@ -153,7 +154,8 @@ class BlockIndex:
         self.external_shared = external_shared
         self.instances: dict[str, _Instance] = {}
         self._by_slot: list[_Instance] = []
-        self._entries: OrderedDict[ExternalBlockHash, dict[Key, int]] = OrderedDict()
+        # One holder with count 1 (most blocks) is its key alone: no dict per entry.
+        self._entries: OrderedDict[ExternalBlockHash, Key | dict[Key, int]] = OrderedDict()
         self.stats = IndexStats()
         self.memo = ChainMemo(memo_blocks)
 
@@ -211,6 +213,7 @@ class BlockIndex:
         move_to_end = entries.move_to_end
         max_entries = self.max_entries
         slot = inst.slot
+        by_slot = self._by_slot
         for event in batch.events:
             if isinstance(event, BlockStored):
                 if event.parent_block_hash is None and inst.router_keys is None:
@@ -222,13 +225,20 @@ class BlockIndex:
                 for h in keys:
                     holders = entries.get(h)
                     if holders is None:
-                        entries[h] = {key: 1}
+                        entries[h] = key
                         if len(entries) > max_entries:
                             entries.popitem(last=False)
                             stats.entries_evicted += 1
-                    else:
-                        move_to_end(h)
+                        continue
+                    move_to_end(h)
+                    if type(holders) is dict:
                         holders[key] = holders.get(key, 0) + 1
+                    elif holders == key:
+                        entries[h] = {key: 2}
+                    elif by_slot[holders[0]].generation != holders[1]:  # type: ignore[index]
+                        entries[h] = key  # the one holder was of an old generation
+                    else:
+                        entries[h] = {holders: 1, key: 1}  # type: ignore[dict-item]
             elif isinstance(event, BlockRemoved):
                 medium = event.medium or "GPU"
                 key = (slot, inst.generation, medium)
@@ -239,19 +249,23 @@ class BlockIndex:
                     if mapped is None:
                         continue
                     holders = entries.get(mapped)
-                    count = None if holders is None else holders.get(key)
+                    if type(holders) is tuple:
+                        if holders == key:
+                            del entries[mapped]
+                            removed += 1
+                        else:
+                            stats.unmatched_removals += 1
+                        continue
+                    count = None if holders is None else holders.get(key)  # type: ignore[union-attr]
                     if holders is None or count is None:
                         stats.unmatched_removals += 1
                     elif count > 1:
-                        holders[key] = count - 1
+                        holders[key] = count - 1  # type: ignore[index]
                         removed += 1
                     else:
-                        del holders[key]
+                        del holders[key]  # type: ignore[union-attr]
                         removed += 1
-                        if not holders:
-                            del entries[mapped]
-                        else:
-                            self._sweep(mapped, holders)
+                        self._sweep(mapped, holders)  # type: ignore[arg-type]
                 if removed:
                     stats.removed[medium] += removed
             elif isinstance(event, AllBlocksCleared):
@@ -259,12 +273,24 @@ class BlockIndex:
                 inst.stale = False  # a full clear is a resync point
 
     def _sweep(self, h: ExternalBlockHash, holders: dict[Key, int]) -> None:
-        """Drop holders of old generations; the entry itself when nobody is left."""
+        """Drop holders of old generations; the entry itself when nobody is left, its one
+        holder's key when one with count 1 is."""
         by_slot = self._by_slot
         for key in [k for k in holders if by_slot[k[0]].generation != k[1]]:
             del holders[key]
         if not holders:
             del self._entries[h]
+        elif len(holders) == 1:
+            ((key, count),) = holders.items()
+            if count == 1:
+                self._entries[h] = key
+
+    def _holders(self, h: ExternalBlockHash) -> dict[Key, int]:
+        """The holders of `h` as a dict (a copy for a single holder; not the hot path)."""
+        holders = self._entries.get(h)
+        if holders is None:
+            return {}
+        return dict(holders) if type(holders) is dict else {holders: 1}  # type: ignore[dict-item]
 
     def clear_instance(self, instance: str, relearn: bool = False) -> None:
         """Forget everything `instance` announced (O(1): its generation moves on); with
@@ -385,18 +411,22 @@ class BlockIndex:
         alive = list(slots)
         run = 0  # blocks in the current run of identical holders
         run_best: dict[int, tuple[float, str]] = {}
-        prev: dict[Key, int] | None = None
+        prev: Key | dict[Key, int] | None = None
         for h in hashes:
             holders = entries.get(h)
             if not holders:
                 break
-            if prev is not None and holders.keys() == prev.keys():
+            if prev is not None and (
+                holders is prev
+                or (type(holders) is dict and type(prev) is dict and holders.keys() == prev.keys())
+            ):
                 run += 1
                 continue
             self._credit(run_best, run, counts, weighted, tiers)
             best: dict[int, tuple[float, str]] = {}
             shared: tuple[float, str] | None = None
-            for slot, gen, medium in holders:
+            keys: Iterable[Key] = (holders,) if type(holders) is tuple else holders  # type: ignore[assignment]
+            for slot, gen, medium in keys:
                 if gens[slot] != gen:
                     continue
                 w = (weights.get(medium, 0.0), medium)
@@ -460,9 +490,9 @@ class BlockIndex:
         dropped = 0
         gens = [i.generation for i in self._by_slot]
         for h in hashes[num_cached_tokens // bs : credited]:
-            holders = self._entries.get(h)
-            if holders is None:
+            if h not in self._entries:
                 continue
+            holders = self._entries[h] = self._holders(h)
             for key in list(holders):
                 slot, gen, medium = key
                 mine = slot == inst.slot
@@ -482,12 +512,16 @@ class BlockIndex:
         if inst is None:
             return set()
         key = (inst.slot, inst.generation, medium)
-        return {h for h, holders in self._entries.items() if key in holders}
+        return {
+            h
+            for h, holders in self._entries.items()
+            if (holders == key if type(holders) is tuple else key in holders)
+        }
 
     def holders(self, h: ExternalBlockHash) -> dict[str, set[str]]:
         """The instances holding `h` and in which media (their own, not shared ones)."""
         out: dict[str, set[str]] = {}
-        for (slot, gen, medium), _ in (self._entries.get(h) or {}).items():
+        for slot, gen, medium in self._holders(h):
             inst = self._by_slot[slot]
             if inst.generation == gen:
                 out.setdefault(inst.name, set()).add(medium)
@@ -495,7 +529,8 @@ class BlockIndex:
 
     def check_integrity(self) -> None:
         """AssertionError unless counts are positive and every holder names a known slot."""
-        for h, holders in self._entries.items():
+        for h in self._entries:
+            holders = self._holders(h)
             assert holders, f"empty entry {h!r}"
             for (slot, gen, _), count in holders.items():
                 assert 0 <= slot < len(self._by_slot), "unknown instance slot"

@@ -17,13 +17,10 @@ router computes itself over the events' token ids (`RouterKeys`), so its prefixe
 from __future__ import annotations
 
 import os
-from array import array
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
-
-import xxhash
 
 from kvconnect.events import BlockStored, ExternalBlockHash
 from kvconnect.hashing import (
@@ -89,56 +86,36 @@ class HashScheme:
         table = memo.table
         hash_fn = get_hash_fn(self.algorithm)
         bs = block_size
-        num_blocks = len(token_ids) // bs
-        # The memo key of block i is a 128-bit digest of everything that decides its hash:
-        # the scheme, the block size, the salt and the tokens of blocks 0..i.
-        state = xxhash.xxh3_128(f"{self}|{bs}|{cache_salt or ''}".encode())
+        # The memo key of block i chains Python's tuple hash over everything that decides the
+        # block's hash: the scheme, the block size, the salt, the tokens of blocks 0..i.
+        key = hash((self.algorithm, self.seed, bs, cache_salt))
         parent: bytes | None = None
-        step = MEMO_SEGMENT_BLOCKS
-        for seg in range(0, num_blocks, step):
-            end = min(num_blocks, seg + step)
-            try:
-                raw = memoryview(array("q", token_ids[seg * bs : end * bs])).cast("B")
-            except (OverflowError, TypeError):  # not int64 tokens: hash without the memo
-                raw = None
-            width = bs * 8
-            for i in range(seg, end):
-                key = None
-                if raw is not None:
-                    off = (i - seg) * width
-                    state.update(raw[off : off + width])
-                    key = state.intdigest()
-                    hit = table.get(key)
-                    if hit is not None:
-                        parent = hit[0]
-                        memo.num_hits += 1
-                        yield hit[1]
-                        continue
-                if parent is None:
-                    parent = seed_hash(self.algorithm, self.seed)
-                block = tuple(token_ids[i * bs : (i + 1) * bs])
-                parent = hash_fn((parent, block, request_extra_keys(i, cache_salt=cache_salt)))
-                wire = int.from_bytes(parent[-8:], "big")
-                memo.num_misses += 1
-                if key is not None:
-                    memo.put(key, parent, wire)
-                else:
-                    state = xxhash.xxh3_128(os.urandom(16))  # keys would no longer match
-                yield wire
-
-
-MEMO_SEGMENT_BLOCKS = 64
-"""Blocks whose tokens are packed for the memo key at a time (a request scored only up to its
-first unheld block packs no more than it needs)."""
+        for i in range(len(token_ids) // bs):
+            block = tuple(token_ids[i * bs : (i + 1) * bs])
+            key = hash((key, block))
+            hit = table.get(key)
+            if hit is not None:
+                parent = hit[0]
+                memo.num_hits += 1
+                yield hit[1]
+                continue
+            if parent is None:
+                parent = seed_hash(self.algorithm, self.seed)
+            parent = hash_fn((parent, block, request_extra_keys(i, cache_salt=cache_salt)))
+            wire = int.from_bytes(parent[-8:], "big")
+            memo.num_misses += 1
+            memo.put(key, parent, wire)
+            yield wire
 
 
 class ChainMemo:
-    """A bounded memo of request block hashes, keyed by a digest of their whole prefix (see
-    `HashScheme.iter_wire_hashes`): a prompt that extends one seen before costs a digest
-    update per block where it is shared, and the real hash only where it is new. Oldest
-    entries go first past `max_blocks` (about 250 bytes each). A 128-bit key makes a wrong
-    hit (a collision) about 2^-100 likely at any realistic size; it could only misroute a
-    request, never change an output."""
+    """A bounded memo of request block hashes, keyed by a chained 64-bit digest of their
+    whole prefix (see `HashScheme.iter_wire_hashes`): a prompt that extends one seen before
+    costs a tuple hash per block where it is shared, and the real hash only where it is new.
+    Oldest entries go first past `max_blocks` (about 250 bytes each). The key is not a
+    cryptographic hash: a collision (about 2^-64 per lookup by chance; craftable on purpose)
+    gives that request wrong hashes, which can only misroute it, never change an output (the
+    engine computes its own hashes)."""
 
     def __init__(self, max_blocks: int = 200_000) -> None:
         if max_blocks < 0:

@@ -47,7 +47,7 @@ def test_schemes_and_salts_never_share_memo_entries() -> None:
         assert got == scheme.wire_hashes(prompt, 16, cache_salt=salt)
         seen[(algorithm, salt)] = got
     assert len({tuple(v) for v in seen.values()}) == len(seen)
-    # Out-of-range token ids skip the memo but still hash exactly.
+    # Token ids beyond 64 bits hash exactly too.
     scheme = HashScheme("sha256", "0")
     big = [2**70] * 16
     assert list(scheme.iter_wire_hashes(big, 16, memo)) == scheme.wire_hashes(big, 16)
