@@ -3,7 +3,8 @@
 Contract:
 - `publish(batch)` is called by the step owner (the scheduler), once per step with that step's
   events. It never blocks: the ZMQ publisher stamps the rank and the sequence number, encodes,
-  stores the bytes in the replay ring and queues them for the sending thread, then returns.
+  stores the bytes in the replay ring and sends them itself (non-blocking) when nothing is
+  queued and the socket is free, else queues them for the sending thread, then returns.
   When the queue is full the batch is not sent live (counted in `num_dropped`) but stays
   replayable, so a subscriber that sees the gap fetches it. Calling it after `shutdown()`
   raises `RuntimeError`.
@@ -43,8 +44,8 @@ does not read fills its own queue and is skipped, so it costs one failed send pe
 never delays another client. A session that makes no progress for `REPLAY_STALL_S` is dropped,
 and at `MAX_REPLAY_SESSIONS` the least recently progressing one makes room, so the work spent
 on clients that do not read is bounded by the session count times their socket buffers; within
-a round the least served session goes first. Payload frames are not copied (they reference the
-ring's bytes), so memory stays within the ring plus a small per-client overhead.
+a round the least served session goes first. What waits for a client is bounded by its queue
+(64 messages), so memory stays within the ring plus a small per-client overhead.
 
 Threads: one sends live frames, one serves replays and keeps the stream state; each owns its
 socket. The ring is shared under a lock held only for an append or a slice.
@@ -217,7 +218,8 @@ class ZmqEventPublisher(EventPublisher):
         self._ring: deque[tuple[int, bytes, bytes]] = deque(maxlen=buffer_steps)
         self._queue: SimpleQueue[tuple[bytes, bytes] | None] = SimpleQueue()
         self._num_queued = 0  # written under the lock by publish()
-        self._num_dequeued = 0  # written only by the sending thread, after each send
+        self._num_dequeued = 0  # written under the socket lock, after each send
+        self._sock_lock = threading.Lock()  # the live socket: publish()'s own sends, the thread
         self._num_dropped = 0
         self._num_send_errors = 0
         self._closed = False
@@ -257,7 +259,6 @@ class ZmqEventPublisher(EventPublisher):
                 self._router.setsockopt(zmq.SNDBUF, REPLAY_CLIENT_SNDBUF)
                 # A send to a full or departed client fails instead of being dropped silently.
                 self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)
-                self._router.copy_threshold = 0  # copy=False sends reference the ring's bytes
                 self.replay_endpoint = _bind(self._router, self.replay_endpoint)
         except zmq.ZMQError as e:
             self._pub.close(linger=0)
@@ -286,18 +287,41 @@ class ZmqEventPublisher(EventPublisher):
             batch.data_parallel_rank = self._data_parallel_rank
         payload = encode_batch(batch)
         with self._lock:
+            if self._closed:
+                raise RuntimeError("ZmqEventPublisher.publish() called after shutdown()")
             seq = self._next_seq
             self._next_seq = seq + 1
             seq_bytes = seq.to_bytes(8, "big")
             self._ring.append((seq, seq_bytes, payload))
             if self._for_state is not None:
                 self._for_state.put((seq, batch))
+            if self._send_now(seq_bytes, payload):
+                return
             if self._num_queued - self._num_dequeued >= self._max_queue_size:
                 self._num_dropped += 1
                 return
             self._num_queued += 1
             # Inside the lock so that live order is seq order even with several callers.
             self._queue.put((seq_bytes, payload))
+
+    def _send_now(self, seq_bytes: bytes, payload: bytes) -> bool:
+        """Send from the caller when nothing is queued and the socket is free: no thread hop
+        on the common path. A non-blocking send: a full socket drops the live copy (counted;
+        still replayable), exactly as the sending thread would. False: queue it instead."""
+        if not self._sock_lock.acquire(blocking=False):
+            return False
+        try:
+            if self._num_queued != self._num_dequeued:  # older batches first
+                return False
+            try:
+                self._pub.send_multipart((self._topic_bytes, seq_bytes, payload), zmq.NOBLOCK)
+            except zmq.ZMQError:
+                self._num_dropped += 1
+            self._num_queued += 1
+            self._num_dequeued += 1
+            return True
+        finally:
+            self._sock_lock.release()
 
     @property
     def num_published(self) -> int:
@@ -367,7 +391,8 @@ class ZmqEventPublisher(EventPublisher):
                 try:
                     item = queue.get_nowait()
                 except Empty:
-                    self._read_subscriptions(pub)
+                    with self._sock_lock:
+                        self._read_subscriptions(pub)
                     try:
                         item = queue.get(timeout=0.05)
                     except Empty:
@@ -376,21 +401,23 @@ class ZmqEventPublisher(EventPublisher):
                         continue
                 if item is None or self._abandon:
                     break
-                try:
-                    pub.send_multipart((topic, item[0], item[1]))
-                except zmq.ZMQError as e:
-                    self._num_send_errors += 1
-                    logger.warning(
-                        "KV event publisher: send of seq %d failed: %s",
-                        int.from_bytes(item[0], "big"),
-                        e,
-                    )
-                self._num_dequeued += 1
-                if self._num_dequeued % _SUBSCRIPTION_CHECK_EVERY == 0:
-                    self._read_subscriptions(pub)
+                with self._sock_lock:
+                    try:
+                        pub.send_multipart((topic, item[0], item[1]))
+                    except zmq.ZMQError as e:
+                        self._num_send_errors += 1
+                        logger.warning(
+                            "KV event publisher: send of seq %d failed: %s",
+                            int.from_bytes(item[0], "big"),
+                            e,
+                        )
+                    self._num_dequeued += 1
+                    if self._num_dequeued % _SUBSCRIPTION_CHECK_EVERY == 0:
+                        self._read_subscriptions(pub)
         finally:
             linger_ms = int(max(0.0, self._deadline - time.monotonic()) * 1000)
-            pub.close(linger=linger_ms)
+            with self._sock_lock:
+                pub.close(linger=linger_ms)
 
     def _read_subscriptions(self, pub: zmq.Socket[bytes]) -> None:
         """Count the subscribe (b"\x01topic") and unsubscribe (b"\x00topic") messages."""
@@ -543,9 +570,7 @@ class ZmqEventPublisher(EventPublisher):
                     hi = min(session.end_seq - first, lo + REPLAY_SLICE, len(ring))
                     entries = [ring[i] for i in range(lo, hi)] if lo < hi else []
                 for seq, seq_bytes, payload in entries:
-                    router.send_multipart(
-                        (ident, b"", topic, seq_bytes, payload), flags, copy=False
-                    )
+                    router.send_multipart((ident, b"", topic, seq_bytes, payload), flags)
                     session.next_seq = seq + 1
                     sent += 1
                 if session.next_seq < session.end_seq and session.next_seq - first < len(ring):

@@ -114,6 +114,7 @@ SubscriberItem = ReceivedBatch | PublisherRestarted | EventsLost | StreamSnapsho
 ReplayEndpoints = str | Sequence[str | None] | Mapping[int, str] | None
 
 
+_DRAIN = 256  # live messages read per socket per poll
 _PROBE_SEQ = 2**64 - 1  # a replay from here returns only the terminator (with the status)
 _MONITORED = zmq.EVENT_HANDSHAKE_SUCCEEDED
 
@@ -267,8 +268,17 @@ class KVEventSubscriber:
                     source, is_monitor = self._by_socket[sock]
                     if is_monitor:
                         self._on_monitor(source, sock)
-                    else:
-                        self._on_live(source, sock.recv_multipart())
+                        continue
+                    # Take what is queued (one poll per burst, not per batch). A reconnect
+                    # noticed after some of these is still safe: each stream's epoch check
+                    # and gap repair do not depend on the handshake coming first.
+                    self._on_live(source, sock.recv_multipart())
+                    for _ in range(_DRAIN - 1):
+                        try:
+                            frames = sock.recv_multipart(zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                        self._on_live(source, frames)
             finally:
                 with self._state_lock:
                     self._polling = False

@@ -178,3 +178,16 @@ def listening_sockets(pids: list[int]) -> list[tuple[str, int]]:
                 family = socket.AF_INET if width == 8 else socket.AF_INET6
                 found.append((socket.inet_ntop(family, ip), int(hex_port, 16)))
     return found
+
+
+def rebind(ep: str, rp: str) -> ZmqEventPublisher:
+    """A new publisher on the addresses of one just shut down in this process: libzmq releases
+    a closed socket's port asynchronously, so retry briefly (a restarted process has no race)."""
+    deadline = time.monotonic() + 5
+    while True:
+        try:
+            return ZmqEventPublisher(bind=True, endpoint=ep, replay_endpoint=rp)
+        except RuntimeError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)

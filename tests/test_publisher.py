@@ -21,7 +21,7 @@ from kvconnect.publisher import (
     ZmqEventPublisher,
     offset_endpoint,
 )
-from tests.helpers import batch_id, make_batch, recv_frames, replay_request, tcp_pair
+from tests.helpers import batch_id, make_batch, rebind, recv_frames, replay_request, tcp_pair
 
 
 def terminator(pub: ZmqEventPublisher) -> list[bytes]:
@@ -75,6 +75,9 @@ class StalledPublisher(ZmqEventPublisher):
     path (it still sees subscriptions, so tests can wait for them)."""
 
     release = threading.Event()
+
+    def _send_now(self, seq_bytes: bytes, payload: bytes) -> bool:
+        return self.release.is_set() and super()._send_now(seq_bytes, payload)
 
     def _send_loop(self) -> None:
         self._queue = _GatedQueue(self._queue, self.release)  # type: ignore[assignment]
@@ -411,7 +414,7 @@ def test_each_publisher_has_its_own_epoch_in_the_replay_terminator() -> None:
         assert status == PublisherStatus(pub.epoch, 3) and len(pub.epoch) == 16
     finally:
         pub.shutdown()
-    other = ZmqEventPublisher(bind=True, endpoint=ep, replay_endpoint=rp)
+    other = rebind(ep, rp)
     other.shutdown()
     assert other.epoch != pub.epoch
     assert PublisherStatus.decode(b"") is None and PublisherStatus.decode(b"kvconnect x") is None

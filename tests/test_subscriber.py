@@ -29,6 +29,7 @@ from tests.helpers import (
     bound_xpub,
     make_batch,
     poll_until,
+    rebind,
     replay_request,
     take,
     tcp_pair,
@@ -177,19 +178,6 @@ def test_live_batches_that_the_handshake_already_replayed_are_dropped_once() -> 
         sub.close()
     finally:
         pub.shutdown()
-
-
-def rebind(ep: str, rp: str) -> ZmqEventPublisher:
-    """A new publisher on the addresses of one just shut down in this process: libzmq releases
-    a closed socket's port asynchronously, so retry briefly (a restarted process has no race)."""
-    deadline = time.monotonic() + 5
-    while True:
-        try:
-            return ZmqEventPublisher(bind=True, endpoint=ep, replay_endpoint=rp)
-        except RuntimeError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.05)
 
 
 def test_publisher_restart_is_reported_then_new_stream_read_from_zero() -> None:
