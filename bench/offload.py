@@ -47,7 +47,7 @@ def gbps(nbytes: int, fn: Callable[[], object]) -> float:
 def chunks() -> list[tuple[str, ChunkInfo, torch.Tensor]]:
     out = []
     for i in range(NUM):
-        info = ChunkInfo(i.to_bytes(32, "big"), (i,), None, (0,) * 256, 16)
+        info = ChunkInfo(i.to_bytes(32, "big"), tuple(range(16)), None, (0,) * 256, 16)
         out.append((f"bench/1/0/{i:064x}", info, torch.randn(SHAPE)))
     return out
 
