@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter, OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, KeysView, Sequence
 from dataclasses import dataclass, field
 
 from kvconnect.events import (
@@ -412,13 +412,13 @@ class BlockIndex:
         run = 0  # blocks in the current run of identical holders
         run_best: dict[int, tuple[float, str]] = {}
         prev: Key | dict[Key, int] | None = None
+        prev_keys: KeysView[Key] | None = None
         for h in hashes:
             holders = entries.get(h)
             if not holders:
                 break
-            if prev is not None and (
-                holders is prev
-                or (type(holders) is dict and type(prev) is dict and holders.keys() == prev.keys())
+            if holders is prev or (
+                prev_keys is not None and type(holders) is dict and holders.keys() == prev_keys
             ):
                 run += 1
                 continue
@@ -446,6 +446,7 @@ class BlockIndex:
             if not alive:
                 break
             run, prev = 1, holders
+            prev_keys = holders.keys() if type(holders) is dict else None
         self._credit(run_best, run, counts, weighted, tiers)
         return {s: PrefixScore(counts[s], weighted[s], tiers[s]) for s in slots}
 

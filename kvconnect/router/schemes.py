@@ -83,29 +83,56 @@ class HashScheme:
         """The int wire hashes of the request's full blocks, one at a time, from `memo` where
         it holds the block's whole prefix, computed (and remembered) otherwise. A consumer
         that stops early (scoring, at the first block no instance holds) hashes no further."""
-        table = memo.table
+        table, segments = memo.table, memo.segments
         hash_fn = get_hash_fn(self.algorithm)
         bs = block_size
+        num_blocks = len(token_ids) // bs
         # The memo key of block i chains Python's tuple hash over everything that decides the
-        # block's hash: the scheme, the block size, the salt, the tokens of blocks 0..i.
+        # block's hash: the scheme, the block size, the salt, the tokens of blocks 0..i. A run
+        # of SEGMENT_BLOCKS blocks from a multiple of it is also remembered whole, keyed by the
+        # key before it and its tokens: a long seen prefix costs one lookup per segment.
         key = hash((self.algorithm, self.seed, bs, cache_salt))
         parent: bytes | None = None
-        for i in range(len(token_ids) // bs):
-            block = tuple(token_ids[i * bs : (i + 1) * bs])
-            key = hash((key, block))
-            hit = table.get(key)
-            if hit is not None:
-                parent = hit[0]
-                memo.num_hits += 1
-                yield hit[1]
-                continue
-            if parent is None:
-                parent = seed_hash(self.algorithm, self.seed)
-            parent = hash_fn((parent, block, request_extra_keys(i, cache_salt=cache_salt)))
-            wire = int.from_bytes(parent[-8:], "big")
-            memo.num_misses += 1
-            memo.put(key, parent, wire)
-            yield wire
+        seg = SEGMENT_BLOCKS
+        i = 0
+        while i < num_blocks:
+            seg_key = None
+            if i % seg == 0 and i + seg <= num_blocks:
+                seg_key = hash((key, tuple(token_ids[i * bs : (i + seg) * bs])))
+                whole = segments.get(seg_key)
+                if whole is not None:
+                    parent, wires, key = whole
+                    memo.num_hits += seg
+                    yield from wires
+                    i += seg
+                    continue
+            # Block by block, through this segment (remembered whole at its end).
+            end = min(num_blocks, (i // seg + 1) * seg)
+            done: list[int] = []
+            for j in range(i, end):
+                block = tuple(token_ids[j * bs : (j + 1) * bs])
+                key = hash((key, block))
+                hit = table.get(key)
+                if hit is not None:
+                    parent = hit[0]
+                    memo.num_hits += 1
+                    wire = hit[1]
+                else:
+                    if parent is None:
+                        parent = seed_hash(self.algorithm, self.seed)
+                    extra = request_extra_keys(j, cache_salt=cache_salt)
+                    parent = hash_fn((parent, block, extra))
+                    wire = int.from_bytes(parent[-8:], "big")
+                    memo.num_misses += 1
+                    memo.put(key, parent, wire)
+                done.append(wire)
+                yield wire
+            if seg_key is not None and len(done) == seg and parent is not None:
+                memo.put_segment(seg_key, parent, tuple(done), key)
+            i = end
+
+
+SEGMENT_BLOCKS = 64
 
 
 class ChainMemo:
@@ -122,6 +149,9 @@ class ChainMemo:
             raise ValueError(f"max_blocks must be >= 0, got {max_blocks}")
         self.max_blocks = max_blocks
         self.table: dict[int, tuple[bytes, int]] = {}
+        self.segments: dict[int, tuple[bytes, tuple[int, ...], int]] = {}
+        """Whole runs of SEGMENT_BLOCKS blocks: (last raw hash, their wire hashes, the block
+        key after them)."""
         self.num_hits = 0
         self.num_misses = 0
 
@@ -132,6 +162,15 @@ class ChainMemo:
         if len(table) >= self.max_blocks and key not in table:
             del table[next(iter(table))]  # the oldest insertion
         table[key] = (raw, wire)
+
+    def put_segment(self, key: int, raw: bytes, wires: tuple[int, ...], end_key: int) -> None:
+        segments = self.segments
+        limit = self.max_blocks // SEGMENT_BLOCKS
+        if limit == 0:
+            return
+        if len(segments) >= limit and key not in segments:
+            del segments[next(iter(segments))]
+        segments[key] = (raw, wires, end_key)
 
     def __len__(self) -> int:
         return len(self.table)

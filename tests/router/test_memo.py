@@ -69,3 +69,18 @@ def test_scoring_hashes_only_up_to_the_first_block_no_instance_holds() -> None:
     before = index.memo.num_misses
     assert index.score(prompt + [5] * 16)["a"].num_blocks == 10  # the prefix from the memo
     assert index.memo.num_misses == before and index.memo.num_hits == 11  # nothing hashed
+
+
+def test_long_prompts_through_whole_segments_and_partial_ones() -> None:
+    """Seen prefixes ending inside and at the edge of 64-block segments, then extended."""
+    scheme = HashScheme("sha256", "vllm-none-hash")
+    memo = ChainMemo(10_000)
+    doc = list(range(100, 100 + 16 * 300))  # 300 blocks: 4 whole segments and a tail
+    for cut in (16 * 64, 16 * 100, 16 * 128, 16 * 300, 16 * 64 + 5, 0):
+        fresh = scheme.wire_hashes(doc[:cut] + [7] * 40, 16)
+        assert list(scheme.iter_wire_hashes(doc[:cut] + [7] * 40, 16, memo)) == fresh
+        assert list(scheme.iter_wire_hashes(doc, 16, memo)) == scheme.wire_hashes(doc, 16)
+    assert len(memo.segments) >= 4
+    misses = memo.num_misses
+    assert list(scheme.iter_wire_hashes(doc, 16, memo)) == scheme.wire_hashes(doc, 16)
+    assert memo.num_misses == misses  # all from the memo, segments first
