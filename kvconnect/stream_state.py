@@ -14,6 +14,8 @@ blocks of one event as one event, and a block held twice (two blocks with one ha
 
 from __future__ import annotations
 
+from collections import Counter
+
 from msgspec.structs import replace
 
 from kvconnect.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
@@ -23,61 +25,74 @@ class StreamState:
     def __init__(self) -> None:
         self.seq = -1
         """The last seq applied (-1: none)."""
-        self._blocks: dict[tuple[str | None, int | bytes], list[object]] = {}
-        """(medium, hash) -> [count, the BlockStored that announced it, its index there]."""
+        self._media: dict[str | None, dict[int | bytes, BlockStored]] = {}
+        """medium -> hash -> the BlockStored that announced it (no allocation per block)."""
+        self._extra: Counter[tuple[str | None, int | bytes]] = Counter()
+        """(medium, hash) held more than once: the copies beyond the first."""
 
     def __len__(self) -> int:
-        return len(self._blocks)
+        return sum(len(held) for held in self._media.values())
 
     def apply(self, seq: int, batch: KVEventBatch) -> None:
-        blocks = self._blocks
+        media, extra = self._media, self._extra
         for ev in batch.events:
             kind = type(ev)
             if kind is BlockStored:
-                medium = ev.medium  # type: ignore[union-attr]
-                for i, h in enumerate(ev.block_hashes):  # type: ignore[union-attr]
-                    entry = blocks.get((medium, h))
-                    if entry is None:
-                        blocks[(medium, h)] = [1, ev, i]
-                    else:
-                        entry[0] += 1  # type: ignore[operator]
-            elif kind is BlockRemoved:
-                medium = ev.medium  # type: ignore[union-attr]
+                held = media.get(ev.medium)  # type: ignore[union-attr]
+                if held is None:
+                    held = media[ev.medium] = {}  # type: ignore[union-attr]
                 for h in ev.block_hashes:  # type: ignore[union-attr]
-                    entry = blocks.get((medium, h))
-                    if entry is not None:
-                        if entry[0] == 1:
-                            del blocks[(medium, h)]
-                        else:
-                            entry[0] -= 1  # type: ignore[operator]
+                    if h in held:
+                        extra[(ev.medium, h)] += 1  # type: ignore[union-attr]
+                    else:
+                        held[h] = ev  # type: ignore[assignment]
+            elif kind is BlockRemoved:
+                held = media.get(ev.medium)  # type: ignore[union-attr]
+                if held is None:
+                    continue
+                for h in ev.block_hashes:  # type: ignore[union-attr]
+                    if extra and (ev.medium, h) in extra:  # type: ignore[union-attr]
+                        key = (ev.medium, h)  # type: ignore[union-attr]
+                        extra[key] -= 1
+                        if not extra[key]:
+                            del extra[key]
+                    else:
+                        held.pop(h, None)
             elif kind is AllBlocksCleared:
-                blocks.clear()
+                media.clear()
+                extra.clear()
         self.seq = seq
 
     def events(self) -> list[BlockStored]:
         """The held blocks as BlockStored events (parents before children within an event)."""
-        held: dict[int, tuple[BlockStored, list[int]]] = {}
-        extra: list[BlockStored] = []
-        for count, ev, i in self._blocks.values():
-            assert isinstance(ev, BlockStored) and isinstance(i, int) and isinstance(count, int)
-            held.setdefault(id(ev), (ev, []))[1].append(i)
-            extra.extend(_part(ev, i, i + 1) for _ in range(count - 1))
         out: list[BlockStored] = []
-        for ev, indices in held.values():
-            indices.sort()
-            start = prev = indices[0]
-            for i in indices[1:]:
-                if i != prev + 1:
-                    out.append(_part(ev, start, prev + 1))
-                    start = i
-                prev = i
-            out.append(_part(ev, start, prev + 1))
-        return out + extra
+        for medium, held in self._media.items():
+            by_event: dict[int, tuple[BlockStored, list[int | bytes]]] = {}
+            for h, ev in held.items():
+                by_event.setdefault(id(ev), (ev, []))[1].append(h)
+            for ev, hashes in by_event.values():
+                position = {h: i for i, h in enumerate(ev.block_hashes)}
+                indices = sorted(position[h] for h in hashes)
+                start = prev = indices[0]
+                for i in indices[1:]:
+                    if i != prev + 1:
+                        out.append(_part(ev, start, prev + 1))
+                        start = i
+                    prev = i
+                out.append(_part(ev, start, prev + 1))
+            for (m, h), n in self._extra.items():
+                if m == medium and h in held:
+                    ev = held[h]
+                    i = ev.block_hashes.index(h)
+                    out.extend(_part(ev, i, i + 1) for _ in range(n))
+        return out
 
     def check_integrity(self) -> None:
-        for (medium, h), (count, ev, i) in self._blocks.items():
-            assert isinstance(ev, BlockStored) and isinstance(i, int) and isinstance(count, int)
-            assert count >= 1 and ev.medium == medium and ev.block_hashes[i] == h
+        for medium, held in self._media.items():
+            for h, ev in held.items():
+                assert ev.medium == medium and h in ev.block_hashes
+        for (medium, h), n in self._extra.items():
+            assert n >= 1 and h in self._media.get(medium, {}), "a copy of a block not held"
 
 
 def _part(ev: BlockStored, start: int, end: int) -> BlockStored:
