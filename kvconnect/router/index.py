@@ -101,6 +101,9 @@ class _Instance:
     router_keys: RouterKeys | None = None
     """Set when no known scheme reproduces its events: entries are keyed by the router."""
     hash_mismatches: int = 0
+    num_blocks: int = 0
+    """Blocks announced and not taken back, all media (a clear resets it): how much it
+    holds, which breaks ties between instances equally good for a request."""
 
     @property
     def scheme_name(self) -> str:
@@ -176,6 +179,10 @@ class BlockIndex:
             inst = self.instances[name]
         return inst
 
+    def num_blocks(self) -> dict[str, int]:
+        """Per instance, the blocks it holds as its stream says (see `_Instance.num_blocks`)."""
+        return {name: inst.num_blocks for name, inst in self.instances.items()}
+
     def schemes(self) -> dict[str, tuple[str, int | None]]:
         """Per instance: the hash scheme learned from its stream, and its block size."""
         return {name: (i.scheme_name, i.block_size) for name, i in self.instances.items()}
@@ -222,6 +229,7 @@ class BlockIndex:
                 if inst.router_keys is not None:
                     keys = inst.router_keys.store(event)
                 key = (slot, inst.generation, event.medium or "GPU")
+                inst.num_blocks += len(keys)
                 for h in keys:
                     holders = entries.get(h)
                     if holders is None:
@@ -268,6 +276,7 @@ class BlockIndex:
                         self._sweep(mapped, holders)  # type: ignore[arg-type]
                 if removed:
                     stats.removed[medium] += removed
+                    inst.num_blocks -= removed
             elif isinstance(event, AllBlocksCleared):
                 self.clear_instance(instance)
                 inst.stale = False  # a full clear is a resync point
@@ -297,6 +306,7 @@ class BlockIndex:
         `relearn`, also its block size and hash scheme."""
         inst = self._instance(instance)
         inst.generation += 1
+        inst.num_blocks = 0
         if inst.router_keys is not None:
             inst.router_keys.clear()
         if relearn:

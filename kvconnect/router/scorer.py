@@ -6,11 +6,11 @@
 (at its own block size), each block's tokens weighted by its best tier (GPU 1.0, CPU 0.8,
 DISK 0.5, EXTERNAL 0.3 by default): roughly the prefill it saves. `load_weight` is how many
 tokens of prefill one request already in flight is worth (default 64). The lowest cost wins;
-ties go to the less loaded instance, then by rendezvous hashing of the request's `spread_key`
-(its first tokens) with each instance's name: cold traffic spreads evenly, one prompt keeps
-going to one place, and router replicas that see the same state decide alike (nothing in the
-choice depends on a replica's own history). With nothing cached anywhere this is least-loaded
-routing.
+ties go to the less loaded instance, then to the one holding fewer blocks (cold tenants spread
+over the instances' caches), then by rendezvous hashing of the request's `spread_key` (its
+first tokens) with each instance's name. Nothing in the choice depends on a replica's own
+history, so router replicas that follow the same streams decide alike. With nothing cached
+anywhere this is least-loaded routing.
 """
 
 from __future__ import annotations
@@ -39,18 +39,20 @@ def choose(
     num_tokens: int,
     load_weight: float = DEFAULT_LOAD_WEIGHT,
     spread_key: int = 0,
+    num_blocks: Mapping[str, int] | None = None,
 ) -> Decision:
     """The cheapest of `candidates` (non-empty) for a request of `num_tokens` prompt tokens."""
     if not candidates:
         raise ValueError("no instance to route to")
-    best: tuple[float, int, int, int] | None = None
+    best: tuple[float, int, int, int, int] | None = None
+    sizes = num_blocks or {}
     decision: Decision | None = None
     for order, name in enumerate(candidates):
         score = scores.get(name) or PrefixScore()
         load = loads.get(name, 0)
         cost = (num_tokens - score.weighted_tokens) + load_weight * load
         spread = -xxhash.xxh3_64_intdigest(name.encode(), seed=spread_key & (2**64 - 1))
-        key = (round(cost, 9), load, spread, order)
+        key = (round(cost, 9), load, sizes.get(name, 0), spread, order)
         if best is None or key < best:
             best, decision = key, Decision(name, cost, score)
     assert decision is not None

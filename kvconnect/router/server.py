@@ -143,13 +143,17 @@ class Router:
         ]
         if not names:
             return None
+        with self.lock:  # one state for both
+            scores = self.index.score(token_ids, cache_salt)
+            num_blocks = self.index.num_blocks()
         decision = choose(
             names,
-            self.scores(token_ids, cache_salt),
+            scores,
             {n: self.in_flight[n] for n in names},
             len(token_ids),
             self.load_weight,
             spread_key(token_ids),
+            num_blocks,
         )
         return self._by_name[decision.instance], decision.score
 

@@ -45,6 +45,12 @@ def test_ties_spread_by_request_and_do_not_depend_on_order_or_history() -> None:
     rest = [choose(names[1:], {}, {}, PROMPT, spread_key=k).instance for k in range(400)]
     assert all(r == p for r, p in zip(rest, picks, strict=True) if p != names[0])
     assert spread_key(list(range(100))) == spread_key(list(range(64)) + [7] * 36)
+    # Before the hash: the instance holding less (a cold tenant goes to the emptier cache).
+    sizes = {n: 100 for n in names} | {names[2]: 3}
+    assert all(
+        choose(names, {}, {}, PROMPT, spread_key=k, num_blocks=sizes).instance == names[2]
+        for k in range(20)
+    )
 
 
 def test_shared_tier_score_counts_for_everyone() -> None:
