@@ -93,6 +93,11 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument(
         "--from-seq", type=int, help="catch up from this seq through replay (0: all replayable)"
     )
+    t.add_argument(
+        "--snapshot",
+        action="store_true",
+        help="start from the publisher's full state (kvconnect publishers), then follow",
+    )
     t.add_argument("--bind", action="store_true", help="bind the endpoint (publishers connect)")
     t.add_argument("--json", action="store_true", help="print JSON lines")
     d = actions.add_parser(
@@ -187,7 +192,12 @@ def _events(args: argparse.Namespace) -> int:
     if replay is not None and len(replay) == 1 and len(args.endpoint) == 1:
         replay = replay[0]
     subscriber = KVEventSubscriber(
-        args.endpoint, replay, topic=args.topic, bind=args.bind, start_seq=args.from_seq
+        args.endpoint,
+        replay,
+        topic=args.topic,
+        bind=args.bind,
+        start_seq=args.from_seq,
+        snapshots=args.snapshot,
     )
     tail(subscriber, sys.stdout, args.json)
     return 0

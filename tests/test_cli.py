@@ -1,17 +1,20 @@
 import io
 import json
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from kvconnect import __version__
 from kvconnect.cli import main
-from kvconnect.events import AllBlocksCleared, BlockStored
+from kvconnect.events import AllBlocksCleared, BlockStored, KVEventBatch
 from kvconnect.events_tool import demo_batches, format_item, run_demo
 from kvconnect.hashing import block_hashes, to_wire
+from kvconnect.publisher import ZmqEventPublisher
 from kvconnect.subscriber import EventsLost, PublisherRestarted, ReceivedBatch, StreamId
-from tests.helpers import free_port, make_batch
+from tests.helpers import free_port, make_batch, tcp_pair
 
 
 def test_demo_publishes_and_tails_every_batch() -> None:
@@ -44,6 +47,32 @@ def test_format_items_readable_and_json() -> None:
     lost = json.loads(format_item(EventsLost(stream, 4, 9), as_json=True))
     assert lost == {"events_lost": {"endpoint": stream.endpoint, "first_seq": 4, "last_seq": 9}}
     assert "restarted" in format_item(PublisherRestarted(stream, 9, 0), as_json=False)
+
+
+def test_tail_snapshot_prints_the_whole_state_then_follows() -> None:
+    ep, rp = tcp_pair()
+    pub = ZmqEventPublisher(bind=True, endpoint=ep, replay_endpoint=rp, buffer_steps=2)
+    try:
+        for i in range(10):  # ten stored blocks; the ring keeps only the last two batches
+            pub.publish(KVEventBatch(0.0, [BlockStored([i], None, [i] * 4, 4, None, "GPU", None)]))
+        cmd = [sys.executable, "-m", "kvconnect.cli", "events", "tail", "--endpoint", ep]
+        proc = subprocess.Popen(
+            [*cmd, "--replay", rp, "--snapshot", "--json"], stdout=subprocess.PIPE, text=True
+        )
+        try:
+            assert proc.stdout is not None
+            first = json.loads(proc.stdout.readline())
+            assert first["snapshot"]["seq"] == 9
+            held = sorted(h for e in first["snapshot"]["events"] for h in e["block_hashes"])
+            assert held == list(range(10))
+            assert pub.wait_for_subscriber()
+            pub.publish(KVEventBatch(0.0, [AllBlocksCleared()]))
+            assert json.loads(proc.stdout.readline())["seq"] == 10
+        finally:
+            proc.kill()
+            proc.wait()
+    finally:
+        pub.shutdown()
 
 
 def test_tail_rejects_a_bad_endpoint(capsys: pytest.CaptureFixture[str]) -> None:
