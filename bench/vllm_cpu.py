@@ -11,20 +11,16 @@ environment has not been built: `make test-vllm` builds it).
 
 from __future__ import annotations
 
-import json
-import os
 import random
-import subprocess
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-VLLM_PYTHON = ROOT / ".vllm" / "venv" / "bin" / "python"
-VLLM_MODEL = ROOT / ".vllm" / "smollm2-135m"
+try:  # run as `python bench/vllm_cpu.py` (either venv): vllm_side sits beside it
+    import vllm_side
+except ImportError:  # imported as bench.vllm_cpu
+    from bench import vllm_side
+
 VOCAB = 49152
-MARK = "kvconnect-bench-result:"  # vLLM logs to stdout too
 
 
 def workload() -> dict[str, Any]:
@@ -42,14 +38,14 @@ def timed(fn: Any) -> float:
     return time.perf_counter() - t0
 
 
-def vllm_side() -> dict[str, float]:
-    """Inside `.vllm/venv`: vLLM's figures, printed as JSON after `MARK`."""
+def vllm_side_figures() -> dict[str, float]:
+    """Inside `.vllm/venv`: vLLM's figures."""
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
     w = workload()
     llm = LLM(
-        model=str(VLLM_MODEL),
+        model=str(vllm_side.VLLM_MODEL),
         dtype="float32",
         max_model_len=4096,
         enforce_eager=True,
@@ -93,8 +89,8 @@ def kvconnect_side() -> dict[str, float]:
 
 
 def main() -> None:
-    if "--vllm-side" in sys.argv:
-        print(MARK, json.dumps(vllm_side()), flush=True)
+    if vllm_side.inside():
+        vllm_side.report(vllm_side_figures())
         return
     ours = kvconnect_side()
     line = (
@@ -102,28 +98,13 @@ def main() -> None:
         f"tok/s {ours['decode']:.0f}; TTFT 2048 cold {ours['cold'] * 1000:.0f} ms, hit "
         f"{ours['hit'] * 1000:.0f} ms"
     )
-    if not (VLLM_PYTHON.exists() and VLLM_MODEL.exists()):
+    if not vllm_side.built():
         print(f"{line}; vLLM: not built (make test-vllm builds .vllm/)")
         return
-    env = {
-        **os.environ,
-        "VLLM_CPU_KVCACHE_SPACE": "2",
-        "VLLM_CPU_OMP_THREADS_BIND": "0-1",
-        "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
-    }
-    done = subprocess.run(
-        [str(VLLM_PYTHON), __file__, "--vllm-side"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-        check=False,
-    )
-    if done.returncode != 0:
-        print(f"{line}; vLLM failed: {done.stderr.strip().splitlines()[-1:]}")
+    theirs = vllm_side.run(__file__, timeout=900)
+    if isinstance(theirs, str):
+        print(f"{line}; vLLM {theirs}")
         return
-    (result,) = [ln for ln in done.stdout.splitlines() if ln.startswith(MARK)]
-    theirs = json.loads(result.removeprefix(MARK))
     print(
         f"{line} | vLLM {theirs['prefill']:.0f} tok/s prefill, {theirs['decode']:.0f} tok/s "
         f"decode, TTFT 2048 cold {theirs['cold'] * 1000:.0f} ms, hit {theirs['hit'] * 1000:.0f} ms"

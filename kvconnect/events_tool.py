@@ -11,7 +11,7 @@ import json
 import random
 import threading
 import time
-from typing import TextIO
+from typing import Any, TextIO
 
 import msgspec
 
@@ -57,6 +57,11 @@ def format_event(event: KVEvent) -> str:
     return "AllBlocksCleared"
 
 
+def _marker(kind: str, item: SubscriberItem, **fields: Any) -> str:
+    """A JSON line for a stream marker: `{kind: {"endpoint": ..., **fields}}`."""
+    return json.dumps({kind: {"endpoint": item.stream.endpoint, **fields}})
+
+
 def format_item(item: SubscriberItem, as_json: bool) -> str:
     if isinstance(item, ReceivedBatch):
         batch = item.batch
@@ -78,42 +83,20 @@ def format_item(item: SubscriberItem, as_json: bool) -> str:
     if isinstance(item, StreamSnapshot):
         events = item.batch.events
         if as_json:
-            return json.dumps(
-                {
-                    "snapshot": {
-                        "endpoint": item.stream.endpoint,
-                        "seq": item.seq,
-                        "events": msgspec.to_builtins(events),
-                    }
-                }
-            )
+            return _marker("snapshot", item, seq=item.seq, events=msgspec.to_builtins(events))
         head = f"snapshot as of seq={item.seq} from {item.stream.endpoint}: {len(events)} events"
         return "\n".join([head, *(f"  {format_event(e)}" for e in events)])
     if isinstance(item, PublisherRestarted):
         if as_json:
-            return json.dumps(
-                {
-                    "publisher_restarted": {
-                        "endpoint": item.stream.endpoint,
-                        "last_seq": item.last_seq,
-                        "first_seq": item.first_seq,
-                    }
-                }
+            return _marker(
+                "publisher_restarted", item, last_seq=item.last_seq, first_seq=item.first_seq
             )
         return (
             f"! publisher {item.stream.endpoint} restarted (last seq {item.last_seq}, "
             f"now {item.first_seq})"
         )
     if as_json:
-        return json.dumps(
-            {
-                "events_lost": {
-                    "endpoint": item.stream.endpoint,
-                    "first_seq": item.first_seq,
-                    "last_seq": item.last_seq,
-                }
-            }
-        )
+        return _marker("events_lost", item, first_seq=item.first_seq, last_seq=item.last_seq)
     return f"! lost batches {item.first_seq}..{item.last_seq} from {item.stream.endpoint}"
 
 

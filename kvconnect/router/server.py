@@ -238,56 +238,25 @@ class RouterMetrics(Collector):
             yield counter(f"kvconnect_router_{name}", doc, value)
         yield gauge("kvconnect_router_stale_instances", "Instances awaiting a resync.", stale)
         names = [i.name for i in r.instances]
-        yield per(
-            "kvconnect_router_decisions",
-            "Requests sent to each instance.",
-            "instance",
-            {n: r.decisions[n] for n in names},
-            CounterMetricFamily,
-        )
-        yield per(
-            "kvconnect_router_forward_failures",
-            "Forwards refused by each instance.",
-            "instance",
-            {n: r.failures[n] for n in names},
-            CounterMetricFamily,
-        )
-        yield per(
-            "kvconnect_router_in_flight",
-            "Requests in flight per instance.",
-            "instance",
-            {n: r.in_flight[n] for n in names},
-            GaugeMetricFamily,
-        )
-        yield per(
-            "kvconnect_router_instance_up",
-            "1 while an instance is in rotation.",
-            "instance",
-            {n: float(r.health.is_up(n)) for n in names},
-            GaugeMetricFamily,
-        )
-        yield per(
-            "kvconnect_router_hit_blocks",
-            "Cached prefix blocks of routed requests, by tier.",
-            "tier",
-            dict(r.hit_blocks),
-            CounterMetricFamily,
-        )
-        yield per(
-            "kvconnect_router_index_removed",
-            "Index entries taken back by BlockRemoved events, by tier.",
-            "tier",
-            removed_per_tier,
-            CounterMetricFamily,
-        )
-        yield per(
-            "kvconnect_router_index_stale",
-            "Index entries found stale by a load miss (an instance computed fewer cached "
-            "tokens than the index credited it), by tier.",
-            "tier",
-            stale_per_tier,
-            CounterMetricFamily,
-        )
+        C, G = CounterMetricFamily, GaugeMetricFamily
+        for metric, doc, label, values, kind in (
+            ("decisions", "Requests sent to each instance.", "instance",
+             {n: r.decisions[n] for n in names}, C),
+            ("forward_failures", "Forwards refused by each instance.", "instance",
+             {n: r.failures[n] for n in names}, C),
+            ("in_flight", "Requests in flight per instance.", "instance",
+             {n: r.in_flight[n] for n in names}, G),
+            ("instance_up", "1 while an instance is in rotation.", "instance",
+             {n: float(r.health.is_up(n)) for n in names}, G),
+            ("hit_blocks", "Cached prefix blocks of routed requests, by tier.", "tier",
+             dict(r.hit_blocks), C),
+            ("index_removed", "Index entries taken back by BlockRemoved events, by tier.",
+             "tier", removed_per_tier, C),
+            ("index_stale", "Index entries found stale by a load miss (an instance computed "
+             "fewer cached tokens than the index credited it), by tier.", "tier",
+             stale_per_tier, C),
+        ):  # fmt: skip
+            yield per(f"kvconnect_router_{metric}", doc, label, values, kind)
         info = GaugeMetricFamily(
             "kvconnect_router_instance_hash_scheme",
             "The hash scheme learned from each instance's stream (1 per instance).",

@@ -37,6 +37,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvconnect.connector.offload.common import OffloadConfig, OffloadMetadata
+from kvconnect.connector.offload.connector import OffloadHalves
 from kvconnect.connector.offload.scheduler import OffloadScheduler
 from kvconnect.connector.offload.worker import OffloadWorker
 from kvconnect.vllm.adapter import (
@@ -74,7 +75,7 @@ _HIT_SOURCES = {
 }
 
 
-class OffloadConnector(KVConnectorBase_V1):
+class OffloadConnector(OffloadHalves, KVConnectorBase_V1):
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
         super().__init__(vllm_config, role, kv_cache_config)
         check_version()
@@ -109,47 +110,12 @@ class OffloadConnector(KVConnectorBase_V1):
             ", ".join(t.kind for t in self.config.tiers),
         )
 
-    def _sched(self) -> OffloadScheduler:
-        if self.scheduler is None:
-            raise RuntimeError("OffloadConnector: a scheduler-side call on a worker instance")
-        return self.scheduler
-
-    def _work(self) -> OffloadWorker:
-        if self.worker is None:
-            raise RuntimeError("OffloadConnector: a worker-side call on a scheduler instance")
-        return self.worker
-
-    def _meta(self) -> OffloadMetadata:
-        meta = self._get_connector_metadata()
-        assert isinstance(meta, OffloadMetadata)
-        return meta
-
     # -- worker side ---------------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         bs = self.config.block_size
         views = {name: canonical_kv_view(name, kv, bs) for name, kv in kv_caches.items()}
         self._work().register_kv_caches(views)
-
-    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        self._work().start_load_kv(self._meta())
-
-    def wait_for_layer_load(self, layer_name: str) -> None:
-        return None  # loads are asynchronous: they finish before the request's first forward
-
-    def save_kv_layer(
-        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
-    ) -> None:
-        return None  # whole chunks are copied out in wait_for_save
-
-    def wait_for_save(self) -> None:
-        self._work().wait_for_save(self._meta())
-
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        return None, self._work().get_finished()
-
-    def get_block_ids_with_load_errors(self) -> set[int]:
-        return self._work().get_block_ids_with_load_errors()
 
     def get_kv_connector_stats(self) -> OffloadStats | None:
         if self.worker is None:
@@ -176,18 +142,7 @@ class OffloadConnector(KVConnectorBase_V1):
     ) -> OffloadPromMetrics:
         return OffloadPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
-    def shutdown(self) -> None:
-        if self.worker is not None:
-            self.worker.shutdown()
-        if self.scheduler is not None:
-            self.scheduler.shutdown()
-
     # -- scheduler side ------------------------------------------------------------------------
-
-    def get_num_new_matched_tokens(
-        self, request: Any, num_computed_tokens: int
-    ) -> tuple[int | None, bool]:
-        return self._sched().get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         self._requests[request.request_id] = request

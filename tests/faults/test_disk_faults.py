@@ -2,8 +2,6 @@
 truncation, planted symlinks, an unsafe root, another engine's shapes, a full filesystem."""
 
 import os
-import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -131,20 +129,6 @@ def test_an_unsafe_root_is_refused_with_a_clear_error(tmp_path: Path) -> None:
     os.chown(foreign, 65534, 65534)
     with pytest.raises(ValueError, match="owned by uid 65534"):
         DiskTier(str(foreign), BUDGET)
-
-
-@pytest.fixture
-def small_fs(tmp_path: Path) -> Iterator[Path]:
-    """A 1 MiB tmpfs: writes beyond it fail with ENOSPC, as on a full disk."""
-    if os.geteuid() != 0:
-        pytest.fail("a full-filesystem test mounts a tmpfs, which needs root (CI runs as root)")
-    mount = tmp_path / "fs"
-    mount.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], check=True)
-    try:
-        yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=True)
 
 
 def test_a_full_filesystem_fails_writes_cleanly_and_keeps_what_was_written(small_fs: Path) -> None:

@@ -8,11 +8,10 @@ from __future__ import annotations
 import os
 import random
 import signal
-import subprocess
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -165,19 +164,6 @@ def test_disk_chunks_corrupted_under_a_running_engine_are_dropped_and_recomputed
     finally:
         inst.close()
     assert held(inst, MEDIUM_DISK) == disk_contents(root)
-
-
-@pytest.fixture
-def small_fs(tmp_path: Path) -> Iterator[Path]:
-    if os.geteuid() != 0:
-        pytest.fail("a full-filesystem test mounts a tmpfs, which needs root (CI runs as root)")
-    mount = tmp_path / "fs"
-    mount.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], check=True)
-    try:
-        yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=True)
 
 
 def test_a_full_disk_changes_no_output_and_the_events_say_what_it_holds(

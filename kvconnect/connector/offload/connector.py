@@ -10,7 +10,7 @@ half (see scheduler.py and worker.py); only the role's half exists in a process.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from kvconnect.connector.base import (
@@ -30,18 +30,15 @@ from kvconnect.connector.offload.worker import OffloadWorker
 from kvconnect.events import KVCacheEvent
 
 
-class OffloadConnector(KVConnectorBase):
-    def __init__(self, context: KVConnectorContext, role: KVConnectorRole) -> None:
-        super().__init__(context, role)
-        self.config = OffloadConfig.from_extra_config(
-            context.kv_transfer_config.kv_connector_extra_config, context.block_size
-        )
-        self.scheduler: OffloadScheduler | None = None
-        self.worker: OffloadWorker | None = None
-        if role is KVConnectorRole.SCHEDULER:
-            self.scheduler = OffloadScheduler(context, self.config)
-        else:
-            self.worker = OffloadWorker(context, self.config)
+class OffloadHalves:
+    """The half of the connector a process has, for both front ends (this one and the vLLM
+    plugin's, kvconnect/vllm/connector.py): a call meant for the other half is an error."""
+
+    scheduler: OffloadScheduler | None
+    worker: OffloadWorker | None
+    _get_connector_metadata: Callable[[], Any]
+    """From the connector base class this is mixed into (declared only, so that the base
+    class's method is the one found)."""
 
     def _sched(self) -> OffloadScheduler:
         if self.scheduler is None:
@@ -58,20 +55,18 @@ class OffloadConnector(KVConnectorBase):
         assert isinstance(meta, OffloadMetadata)
         return meta
 
-    # worker side
-    def register_kv_caches(self, kv_caches: Mapping[str, Any]) -> None:
-        self._work().register_kv_caches(kv_caches)
+    # The calls both front ends pass through unchanged.
 
     def start_load_kv(self, forward_context: Any = None, **kwargs: Any) -> None:
         self._work().start_load_kv(self._meta())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return None  # loads finish before the request's first forward (async loads)
+        return None  # loads are asynchronous: they finish before the request's first forward
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: Any, attn_metadata: Any = None, **kwargs: Any
     ) -> None:
-        return None  # chunks are copied out whole in wait_for_save
+        return None  # whole chunks are copied out in wait_for_save
 
     def wait_for_save(self) -> None:
         self._work().wait_for_save(self._meta())
@@ -82,11 +77,10 @@ class OffloadConnector(KVConnectorBase):
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._work().get_block_ids_with_load_errors()
 
-    def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        return self._work().get_kv_connector_stats()
-
-    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
-        return self._work().build_connector_worker_meta()
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        return self._sched().get_num_new_matched_tokens(request, num_computed_tokens)
 
     def shutdown(self) -> None:
         if self.worker is not None:
@@ -94,12 +88,31 @@ class OffloadConnector(KVConnectorBase):
         if self.scheduler is not None:
             self.scheduler.shutdown()
 
-    # scheduler side
-    def get_num_new_matched_tokens(
-        self, request: ConnectorRequest, num_computed_tokens: int
-    ) -> tuple[int | None, bool]:
-        return self._sched().get_num_new_matched_tokens(request, num_computed_tokens)
 
+class OffloadConnector(OffloadHalves, KVConnectorBase):
+    def __init__(self, context: KVConnectorContext, role: KVConnectorRole) -> None:
+        super().__init__(context, role)
+        self.config = OffloadConfig.from_extra_config(
+            context.kv_transfer_config.kv_connector_extra_config, context.block_size
+        )
+        self.scheduler: OffloadScheduler | None = None
+        self.worker: OffloadWorker | None = None
+        if role is KVConnectorRole.SCHEDULER:
+            self.scheduler = OffloadScheduler(context, self.config)
+        else:
+            self.worker = OffloadWorker(context, self.config)
+
+    # worker side
+    def register_kv_caches(self, kv_caches: Mapping[str, Any]) -> None:
+        self._work().register_kv_caches(kv_caches)
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        return self._work().get_kv_connector_stats()
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        return self._work().build_connector_worker_meta()
+
+    # scheduler side
     def update_state_after_alloc(
         self, request: ConnectorRequest, block_ids: list[int], num_external_tokens: int
     ) -> None:
