@@ -197,6 +197,7 @@ class KVEventSubscriber:
         self.num_duplicates = 0
         self.num_handshakes = 0
         self.num_snapshots = 0
+        self._unrepaired = False  # a loss reported since the last resync
         for i, ep in enumerate(self.endpoints):
             self._open(i, ep, hwm)
 
@@ -318,7 +319,6 @@ class KVEventSubscriber:
                 self._restarted(st, resume)
         if status is not None:
             source.epoch = status.epoch
-        lost = False
         for topic, seq, payload in answer.batches:
             batch = self._decode(payload, seq)
             if batch is None:
@@ -330,12 +330,17 @@ class KVEventSubscriber:
             expected = start if stream.last_seq is None else stream.last_seq + 1
             if start != _PROBE_SEQ and seq > expected:
                 self._lost(stream, expected, seq - 1)
-                lost = True
             self._pending.append(ReceivedBatch(seq, batch, stream.id))
             self.num_batches_replayed += 1
             stream.last_seq = stream.dup_until = seq
-        if lost and self._snapshots:
+        self._resync(source, replay)
+
+    def _resync(self, source: _Source, replay: str) -> None:
+        """After losses replay could not repair (`_lost`), the publisher's snapshot, queued
+        after everything the repair yielded (with `snapshots=True`)."""
+        if self._unrepaired and self._snapshots:
             self._snapshot(source, replay)
+        self._unrepaired = False
 
     def _snapshot(self, source: _Source, replay: str) -> int | None:
         """Ask the publisher at `replay` for its state and queue it as `StreamSnapshot`s (one
@@ -445,7 +450,6 @@ class KVEventSubscriber:
         An answer from a publisher with another epoch means it restarted: report that and read
         the new one from 0 instead."""
         replay = self._replay_for(source.index, stream.id.data_parallel_rank)
-        lost_before = self.num_batches_lost
         answer = self._request_replay(replay, first) if replay else None
         status = answer.status if answer is not None else None
         if status is not None:
@@ -471,11 +475,12 @@ class KVEventSubscriber:
             self._lost(stream, expected, end - 1)
         else:
             self.num_gaps_repaired += 1
-        if self._snapshots and replay and self.num_batches_lost > lost_before:
-            self._snapshot(source, replay)
+        if replay:
+            self._resync(source, replay)
 
     def _lost(self, stream: _Stream, first: int, last: int) -> None:
         self.num_batches_lost += last - first + 1
+        self._unrepaired = True
         logger.warning("KV event subscriber: %s lost batches %d..%d", stream.id, first, last)
         self._pending.append(EventsLost(stream.id, first, last))
 
