@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvconnect.connector.offload.common import ChunkInfo
-from kvconnect.connector.offload.tiers.base import TierError
+from kvconnect.connector.offload.common import ChunkInfo, TierConfig
+from kvconnect.connector.offload.tiers.base import TierError, TierPlacement
 from kvconnect.connector.offload.tiers.disk import SUFFIX, DiskTier
 
 SHAPE = (2, 2, 8, 2, 4)
@@ -119,6 +119,11 @@ def test_an_unsafe_root_is_refused_with_a_clear_error(tmp_path: Path) -> None:
     open_root.chmod(0o777)
     with pytest.raises(ValueError, match="writable by every user"):
         DiskTier(str(open_root), BUDGET)
+    placement = TierPlacement(1, 0)
+    with pytest.raises(ValueError, match="writable by every user and not sticky"):
+        DiskTier.from_config(TierConfig("disk", path=str(open_root)), placement)
+    open_root.chmod(0o1777)  # sticky, like /tmp: the rank's own directory is safe in it
+    DiskTier.from_config(TierConfig("disk", path=str(open_root)), placement).check_integrity()
     mine = tmp_path / "mine"
     DiskTier(str(mine), BUDGET)
     assert (mine.stat().st_mode & 0o777) == 0o700  # created owner-only

@@ -45,8 +45,18 @@ class DiskTier(Tier):
 
     @classmethod
     def from_config(cls, config: TierConfig, placement: TierPlacement) -> Self:
-        # One directory per rank: a rank owns and announces only its own files.
-        root = Path(config.path) / f"tp{placement.world_size}-rank{placement.rank}"
+        # One directory per rank: a rank owns and announces only its own files. The configured
+        # directory holds them: anyone may write there only if it is sticky (like /tmp), or
+        # another user could swap a rank's directory.
+        base = Path(config.path)
+        if base.is_dir():
+            mode = base.stat().st_mode
+            if mode & stat.S_IWOTH and not mode & stat.S_ISVTX:
+                raise ValueError(
+                    f"disk tier: {base} is writable by every user and not sticky (mode "
+                    f"{stat.S_IMODE(mode):o}); chmod o-w (or +t) it or use another directory"
+                )
+        root = base / f"tp{placement.world_size}-rank{placement.rank}"
         shape = placement.chunk_shape or None
         return cls(str(root), config.max_bytes, shape, placement.dtype if shape else None)
 
