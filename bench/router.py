@@ -8,8 +8,9 @@ Prints one line:
   instances hold and the router has seen (its hash memo), beside bare dict lookups of the held
   hashes (the floor for walking the prefix);
 - lookup latency for an 8,192-token prompt: hashing its 512 blocks, then scoring them;
-- hashing cost per 1,000 tokens for each of vLLM's algorithms, beside bare hashlib.sha256 over
-  the very bytes it hashes (the serialisations made beforehand: the limit);
+- hashing cost per 1,000 tokens for each of vLLM's algorithms, and for sha256_cbor with every
+  block serialised by cbor2 (as before kvconnect's block encoder), beside bare hashlib.sha256
+  over the very bytes it hashes (the serialisations made beforehand: the limit);
 - the index apply rate for an instance the router keys by its own chain over token ids (its
   seed is not reproducible) beside one keyed by its engine hashes;
 - a multi-tenant workload (8 tenants, 1,024-token system prompts, 64-token user turns, Poisson
@@ -33,6 +34,9 @@ import time
 from collections import Counter
 from collections.abc import Callable
 
+import cbor2
+
+from kvconnect import hashing
 from kvconnect.engine.block_pool import BlockPool
 from kvconnect.engine.kv_cache_manager import KVCacheManager
 from kvconnect.engine.request import Request, SamplingParams
@@ -103,6 +107,15 @@ def hashing_costs() -> tuple[dict[str, float], float]:
         scheme = HashScheme(algorithm, "0")
         best = min(_timed(lambda s=scheme: s.wire_hashes(tokens, BS)) for _ in range(5))
         out[algorithm] = best / per_k * 1e6
+    # Before kvconnect's block encoder: sha256_cbor with every block through cbor2.
+    fast = hashing._cbor
+    hashing._cbor = lambda obj: cbor2.dumps(obj, canonical=True)
+    try:
+        scheme = HashScheme("sha256_cbor", "0")
+        best = min(_timed(lambda: scheme.wire_hashes(tokens, BS)) for _ in range(5))
+        out["sha256_cbor through cbor2"] = best / per_k * 1e6
+    finally:
+        hashing._cbor = fast
     # The limit: SHA-256 of the same pickled (parent, tokens, None) tuples, made beforehand.
     parents = block_hashes(tokens, BS, algorithm="sha256", seed="0")
     blobs = [
@@ -315,7 +328,7 @@ def main() -> None:
         + f" (bare dict lookups of the 5,625 held blocks {floor * 1e3:.2f}); "
         f"8192-token lookup {hashing * 1000:.2f} ms hashing + {scoring * 1e6:.0f} us scoring; "
         "hashing us/1k tokens: "
-        + " ".join(f"{a} {us:.0f}" for a, us in costs.items())
+        + ", ".join(f"{a} {us:.0f}" for a, us in costs.items())
         + f" (bare hashlib.sha256 of the same bytes {bare_sha:.0f}); "
         f"apply with token ids: engine-keyed {engine_keyed / 1e3:.0f}k ev/s, "
         f"router-keyed {router_keyed / 1e3:.0f}k ev/s; "

@@ -114,7 +114,7 @@ SubscriberItem = ReceivedBatch | PublisherRestarted | EventsLost | StreamSnapsho
 ReplayEndpoints = str | Sequence[str | None] | Mapping[int, str] | None
 
 
-_DRAIN = 256  # live messages read per socket per poll
+_DRAIN = 16  # live messages read per socket per poll
 _PROBE_SEQ = 2**64 - 1  # a replay from here returns only the terminator (with the status)
 _MONITORED = zmq.EVENT_HANDSHAKE_SUCCEEDED
 

@@ -8,7 +8,10 @@ import sys
 import cbor2
 import pytest
 import xxhash
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from kvconnect import hashing
 from kvconnect.hashing import (
     ALGORITHMS,
     RequestBlockHasher,
@@ -249,3 +252,46 @@ def test_wire_form() -> None:
     assert to_wire(h) == int.from_bytes(bytes(range(24, 32)), "big")
     assert to_wire(h, as_int=False) == h
     assert to_wire(b"\xff" * 32) == 2**64 - 1
+
+
+# The fast CBOR path for blocks must write exactly cbor2's canonical bytes, for every shape
+# a block can take and for shapes it must hand back to cbor2.
+_cbor_ints = st.one_of(
+    st.integers(0, 300),
+    st.integers(0, 2**18 + 10),
+    st.integers(-(2**64), 2**64 - 1),
+    st.sampled_from([23, 24, 255, 256, 65535, 65536, 2**32 - 1, 2**32, 2**64 - 1, -1, -24, -25]),
+)
+_cbor_extras = st.one_of(
+    st.none(),
+    st.tuples(st.tuples(st.just("cache_salt"), st.text(max_size=20))),
+    st.tuples(st.tuples(st.just("mm"), st.text(max_size=8), st.integers(0, 10**6))),
+    st.tuples(st.tuples(st.just("lora"), st.text(max_size=8), st.none() | st.text(max_size=8))),
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    parent=st.binary(max_size=300),
+    tokens=st.lists(_cbor_ints, max_size=300).map(tuple),
+    extra=_cbor_extras,
+)
+def test_fast_block_cbor_is_cbor2_canonical(
+    parent: bytes, tokens: tuple[int, ...], extra: tuple[object, ...] | None
+) -> None:
+    obj = (parent, tokens, extra)
+    assert hashing._cbor(obj) == cbor2.dumps(obj, canonical=True)
+
+
+def test_fast_block_cbor_leaves_other_shapes_to_cbor2() -> None:
+    parent = bytes(32)
+    for obj in [
+        "vllm-none-hash",
+        (parent, (1.5, 2), None),  # a float token
+        (parent, (2**64,), None),  # a bignum
+        (parent, ("a",), None),
+        (parent, [1, 2], None),  # a list, not a tuple
+        (bytearray(parent), (1,), None),
+        (parent, (1,), None, None),
+    ]:
+        assert hashing._cbor(obj) == cbor2.dumps(obj, canonical=True), obj

@@ -71,7 +71,9 @@ class HashScheme:
             parent_hash=parent_hash,
             cache_salt=cache_salt,
         )
-        return [to_wire(h, as_int=as_int) for h in raw]
+        if not as_int:
+            return list(raw)
+        return [int.from_bytes(h[-8:], "big") for h in raw]  # to_wire, inlined
 
     def iter_wire_hashes(
         self,
@@ -120,7 +122,7 @@ class HashScheme:
                 else:
                     if parent is None:
                         parent = seed_hash(self.algorithm, self.seed)
-                    extra = request_extra_keys(j, cache_salt=cache_salt)
+                    extra = request_extra_keys(j, cache_salt=cache_salt) if j == 0 else None
                     parent = hash_fn((parent, block, extra))
                     wire = int.from_bytes(parent[-8:], "big")
                     memo.num_misses += 1
