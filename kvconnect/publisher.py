@@ -58,7 +58,7 @@ import os
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from queue import Empty, SimpleQueue
@@ -436,7 +436,7 @@ class ZmqEventPublisher(EventPublisher):
     def _replay_loop(self) -> None:
         router = self._router
         assert router is not None
-        sessions: OrderedDict[bytes, _Session] = OrderedDict()
+        sessions: dict[bytes, _Session] = {}
         try:
             while not self._stop.is_set():
                 self._apply_state()
@@ -464,7 +464,7 @@ class ZmqEventPublisher(EventPublisher):
             state.apply(seq, batch)
 
     def _accept(
-        self, router: zmq.Socket[bytes], sessions: OrderedDict[bytes, _Session], frames: list[bytes]
+        self, router: zmq.Socket[bytes], sessions: dict[bytes, _Session], frames: list[bytes]
     ) -> None:
         identity = frames[0]
         self.num_replay_requests += 1
@@ -519,9 +519,7 @@ class ZmqEventPublisher(EventPublisher):
         if n == 1 or n % 1000 == 0:
             logger.warning("KV event replay: " + why + "; dropped it (%d so far)", arg, n)
 
-    def _serve_round(
-        self, router: zmq.Socket[bytes], sessions: OrderedDict[bytes, _Session]
-    ) -> bool:
+    def _serve_round(self, router: zmq.Socket[bytes], sessions: dict[bytes, _Session]) -> bool:
         """One slice of every session's answer; whether any send went through."""
         progressed = False
         now = time.monotonic()

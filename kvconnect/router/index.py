@@ -523,11 +523,7 @@ class BlockIndex:
         if inst is None:
             return set()
         key = (inst.slot, inst.generation, medium)
-        return {
-            h
-            for h, holders in self._entries.items()
-            if (holders == key if type(holders) is tuple else key in holders)
-        }
+        return {h for h in self._entries if key in self._holders(h)}
 
     def holders(self, h: ExternalBlockHash) -> dict[str, set[str]]:
         """The instances holding `h` and in which media (their own, not shared ones)."""

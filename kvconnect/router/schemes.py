@@ -71,9 +71,7 @@ class HashScheme:
             parent_hash=parent_hash,
             cache_salt=cache_salt,
         )
-        if not as_int:
-            return list(raw)
-        return [int.from_bytes(h[-8:], "big") for h in raw]  # to_wire, inlined
+        return [to_wire(h, as_int=as_int) for h in raw]
 
     def iter_wire_hashes(
         self,
@@ -94,6 +92,7 @@ class HashScheme:
         # of SEGMENT_BLOCKS blocks from a multiple of it is also remembered whole, keyed by the
         # key before it and its tokens: a long seen prefix costs one lookup per segment.
         key = hash((self.algorithm, self.seed, bs, cache_salt))
+        first_extra = request_extra_keys(0, cache_salt=cache_salt)  # later blocks: None
         parent: bytes | None = None
         seg = SEGMENT_BLOCKS
         i = 0
@@ -122,9 +121,8 @@ class HashScheme:
                 else:
                     if parent is None:
                         parent = seed_hash(self.algorithm, self.seed)
-                    extra = request_extra_keys(j, cache_salt=cache_salt) if j == 0 else None
-                    parent = hash_fn((parent, block, extra))
-                    wire = int.from_bytes(parent[-8:], "big")
+                    parent = hash_fn((parent, block, first_extra if j == 0 else None))
+                    wire = to_wire(parent)
                     memo.num_misses += 1
                     memo.put(key, parent, wire)
                 done.append(wire)
