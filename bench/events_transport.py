@@ -24,9 +24,9 @@ import msgspec
 import zmq
 
 from kvconnect.events import BlockStored, KVEventBatch, decode_batch, encode_batch
-from kvconnect.publisher import ZmqEventPublisher
-from kvconnect.stream_state import StreamState
-from kvconnect.subscriber import KVEventSubscriber, ReceivedBatch
+from kvconnect.stream.publisher import ZmqEventPublisher
+from kvconnect.stream.state import StreamState
+from kvconnect.stream.subscriber import KVEventSubscriber, ReceivedBatch
 
 SIZES = {1: 20_000, 10: 20_000, 100: 4_000}  # events per batch -> batches sent
 ROUNDS = 3
@@ -92,7 +92,9 @@ def consume_bare(endpoint: str, num_msgs: int, decode: bool, out: Any) -> None:
 def run_kvconnect(size: int, num_batches: int) -> tuple[float, list[int]]:
     port = free_port()
     ep, rp = f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{free_port()}"
-    pub = ZmqEventPublisher(bind=True, endpoint=ep, replay_endpoint=rp, buffer_steps=num_batches)
+    pub = ZmqEventPublisher.open(
+        bind=True, endpoint=ep, replay_endpoint=rp, buffer_steps=num_batches
+    )
     out: Any = mp.get_context("spawn").Queue()
     proc = mp.get_context("spawn").Process(
         target=consume_kvconnect, args=(ep, rp, num_batches, out)

@@ -22,12 +22,12 @@ import redis
 import torch
 
 from kvconnect import LLM, SamplingParams
+from kvconnect.commands.redis_server import LocalRedis, LocalRedisCluster
 from kvconnect.connector.offload.common import ChunkInfo
 from kvconnect.connector.offload.tiers.base import Tier, pack
 from kvconnect.connector.offload.tiers.cpu import CpuTier
 from kvconnect.connector.offload.tiers.disk import DiskTier
 from kvconnect.connector.offload.tiers.redis import RedisTier
-from kvconnect.redis_server import LocalRedis, LocalRedisCluster
 
 try:  # run as `python bench/offload.py`: redis_watch sits beside it
     from redis_watch import measure as redis_watch

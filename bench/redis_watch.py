@@ -19,12 +19,12 @@ import time
 
 import redis
 
+from kvconnect.commands.redis_server import LocalRedis
 from kvconnect.connector.offload.tiers.redis import KEY_PREFIX
 from kvconnect.connector.offload.tiers.redis_watch import RedisWatcher
 from kvconnect.events import BlockRemoved, KVEventBatch
-from kvconnect.publisher import ZmqEventPublisher
-from kvconnect.redis_server import LocalRedis
-from kvconnect.subscriber import KVEventSubscriber, ReceivedBatch
+from kvconnect.stream.publisher import ZmqEventPublisher
+from kvconnect.stream.subscriber import KVEventSubscriber, ReceivedBatch
 
 PREFIX = "m/2/"
 VALUE = b"x" * 1000
@@ -119,7 +119,7 @@ def lags(client: redis.Redis, url: str, samples: int = 200) -> list[float]:
     are what Redis evicts."""
     out = []
     watcher = RedisWatcher(url, PREFIX, 2, keys_of)
-    pub = ZmqEventPublisher(bind=True, endpoint="tcp://127.0.0.1:0")
+    pub = ZmqEventPublisher.open(bind=True, endpoint="tcp://127.0.0.1:0")
     sub = KVEventSubscriber(pub.endpoint)
     try:
         assert watcher.connected.wait(10) and pub.wait_for_subscriber()

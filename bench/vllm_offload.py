@@ -34,7 +34,7 @@ def measure() -> dict[str, float]:
     from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt
 
-    from kvconnect.redis_server import LocalRedis
+    from kvconnect.commands.redis_server import LocalRedis
 
     redis = LocalRedis()
     disk = tempfile.mkdtemp(prefix="kvconnect-bench-disk-")

@@ -182,8 +182,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _events(args: argparse.Namespace) -> int:
-    from kvconnect.events_tool import run_demo, tail
-    from kvconnect.subscriber import KVEventSubscriber
+    from kvconnect.commands.events import run_demo, tail
+    from kvconnect.stream.subscriber import KVEventSubscriber
 
     if args.action == "demo":
         run_demo(args.port, args.batches, sys.stdout)
@@ -204,25 +204,25 @@ def _events(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from kvconnect.generate import run_generate  # imports torch: only when asked for
+    from kvconnect.commands.generate import run_generate  # imports torch: only when asked for
 
     return run_generate(args, sys.stdout)
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from kvconnect.server import run_serve
+    from kvconnect.commands.serve import run_serve
 
     return run_serve(args)
 
 
 def _router(args: argparse.Namespace) -> int:
-    from kvconnect.router.server import run_router_command
+    from kvconnect.commands.router import run_router_command
 
     return run_router_command(args)
 
 
 def _cluster(args: argparse.Namespace) -> int:
-    from kvconnect.cluster import run_cluster
+    from kvconnect.commands.cluster import run_cluster
 
     return run_cluster(args, sys.stdout)
 

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvconnect.redis_server import LocalRedis
+from kvconnect.commands.redis_server import LocalRedis
 
 
 def start_redis() -> LocalRedis:

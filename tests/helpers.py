@@ -11,8 +11,8 @@ from typing import Any
 import zmq
 
 from kvconnect.events import BlockRemoved, BlockStored, KVEventBatch
-from kvconnect.publisher import EventPublisher, ZmqEventPublisher
-from kvconnect.subscriber import KVEventSubscriber, ReceivedBatch, SubscriberItem
+from kvconnect.stream.publisher import EventPublisher, ZmqEventPublisher
+from kvconnect.stream.subscriber import KVEventSubscriber, ReceivedBatch, SubscriberItem
 
 
 def free_port(span: int = 1) -> int:
@@ -186,7 +186,7 @@ def rebind(ep: str, rp: str) -> ZmqEventPublisher:
     deadline = time.monotonic() + 5
     while True:
         try:
-            return ZmqEventPublisher(bind=True, endpoint=ep, replay_endpoint=rp)
+            return ZmqEventPublisher.open(bind=True, endpoint=ep, replay_endpoint=rp)
         except RuntimeError:
             if time.monotonic() > deadline:
                 raise

@@ -99,7 +99,8 @@ class Process:
 
 def serve_port(num_instances: int = 1) -> int:
     """A free port p such that p+1..p+num_instances-1 and their derived event ports (+10000,
-    +20000, see kvconnect.startup) are free too. OS-chosen ports are often above 45535, so this
+    +20000, see kvconnect.commands.startup) are free too. OS-chosen ports are often above
+    45535, so this
     probes from random bases."""
     for _ in range(500):
         port = random.randrange(20000, 45000 - num_instances)

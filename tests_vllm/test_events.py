@@ -22,9 +22,9 @@ from vllm.v1.request import Request as VllmRequest
 from kvconnect.engine.block_pool import BlockPool
 from kvconnect.events import KVEventBatch, decode_batch, encode_batch
 from kvconnect.hashing import block_hashes
-from kvconnect.publisher import ZmqEventPublisher
 from kvconnect.router.index import BlockIndex
-from kvconnect.subscriber import KVEventSubscriber, ReceivedBatch
+from kvconnect.stream.publisher import ZmqEventPublisher
+from kvconnect.stream.subscriber import KVEventSubscriber, ReceivedBatch
 
 BS = 32
 VLLM = "http://vllm:8000"
@@ -110,7 +110,7 @@ def test_vllms_block_pool_and_publisher_feed_the_router_which_finds_every_prefix
 def test_kvconnect_events_decode_in_vllm(ipc_dir: str) -> None:
     """kvconnect's engine block pool and publisher -> a plain SUB and vLLM's own decoder."""
     endpoint = f"ipc://{ipc_dir}/ev"
-    publisher = ZmqEventPublisher(endpoint=endpoint)
+    publisher = ZmqEventPublisher.open(endpoint=endpoint)
     ctx: zmq.Context[Any] = zmq.Context.instance()
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
@@ -184,7 +184,7 @@ def test_the_loopback_default_endpoint_of_kvconnect_is_bound_where_vllm_would_co
     assert vllm_events.ZmqEventPublisher.offset_endpoint_port("tcp://10.0.0.1:5557", 2) == (
         "tcp://10.0.0.1:5559"
     )
-    pub = ZmqEventPublisher(data_parallel_rank=2, endpoint="tcp://127.0.0.1:65000", bind=False)
+    pub = ZmqEventPublisher.open(data_parallel_rank=2, endpoint="tcp://127.0.0.1:65000", bind=False)
     try:
         assert pub.endpoint == "tcp://127.0.0.1:65002"  # kvconnect offsets connects as vLLM does
     finally:

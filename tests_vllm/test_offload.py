@@ -25,9 +25,9 @@ from typing import Any
 
 import pytest
 
+from kvconnect.commands.redis_server import LocalRedis
 from kvconnect.events import BlockRemoved, BlockStored, KVCacheEvent
-from kvconnect.redis_server import LocalRedis
-from kvconnect.subscriber import KVEventSubscriber, ReceivedBatch
+from kvconnect.stream.subscriber import KVEventSubscriber, ReceivedBatch
 from tests_vllm.conftest import VllmServer, post_json, start_router
 from tests_vllm.test_serve import wait_until
 

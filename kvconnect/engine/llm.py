@@ -34,7 +34,7 @@ from kvconnect.engine.scheduler import Scheduler, SchedulerConfig
 from kvconnect.engine.worker import WorkerConfig
 from kvconnect.hashing import DEFAULT_ALGORITHM
 from kvconnect.model.loader import load_model_info
-from kvconnect.publisher import EventPublisher, EventPublisherFactory
+from kvconnect.stream.publisher import EventPublisher, EventPublisherFactory
 from kvconnect.tokenizer import Message
 
 logger = logging.getLogger(__name__)

@@ -39,7 +39,7 @@ from kvconnect.messages import (
     ScheduledRequest,
     SchedulerOutput,
 )
-from kvconnect.publisher import EventPublisher, NullEventPublisher
+from kvconnect.stream.publisher import EventPublisher, NullEventPublisher
 
 logger = logging.getLogger(__name__)
 

@@ -52,7 +52,7 @@ from kvconnect.router.schemes import (
     checkable,
     first_block_matches,
 )
-from kvconnect.subscriber import (
+from kvconnect.stream.subscriber import (
     EventsLost,
     PublisherRestarted,
     ReceivedBatch,

@@ -1,7 +1,7 @@
 """The event stream under a subscriber that is SIGKILLed and restarted again and again with a
 tiny receive HWM: every batch arrives once and in order while the ring holds it, and exactly
 what the ring dropped is reported lost. Publisher restarts at every seq relation are in
-tests/test_subscriber.py (a restart behind a disconnect, whatever the new seqs)."""
+tests/stream/test_subscriber.py (a restart behind a disconnect, whatever the new seqs)."""
 
 import signal
 import subprocess
@@ -10,7 +10,7 @@ import threading
 import time
 from collections.abc import Iterator
 
-from kvconnect.publisher import ZmqEventPublisher
+from kvconnect.stream.publisher import ZmqEventPublisher
 from tests.helpers import make_batch, tcp_pair
 
 TOTAL = 100_000
@@ -18,7 +18,9 @@ RING = 10_000
 
 SUBSCRIBER = """
 import sys
-from kvconnect.subscriber import EventsLost, KVEventSubscriber, PublisherRestarted, ReceivedBatch
+from kvconnect.stream.subscriber import (
+    EventsLost, KVEventSubscriber, PublisherRestarted, ReceivedBatch,
+)
 ep, rp, start = sys.argv[1], sys.argv[2], int(sys.argv[3])
 out = sys.stdout
 with KVEventSubscriber(ep, rp, start_seq=start, hwm=10) as sub:
@@ -64,7 +66,7 @@ class Tail:
 
 def test_100k_batches_through_a_subscriber_killed_four_times_arrive_once_in_order() -> None:
     ep, rp = tcp_pair()
-    pub = ZmqEventPublisher(bind=True, endpoint=ep, replay_endpoint=rp, buffer_steps=RING)
+    pub = ZmqEventPublisher.open(bind=True, endpoint=ep, replay_endpoint=rp, buffer_steps=RING)
     progress = [-1]  # the last seq the test has read
     done = threading.Event()
 
@@ -108,7 +110,7 @@ def test_100k_batches_through_a_subscriber_killed_four_times_arrive_once_in_orde
 def test_a_subscriber_down_longer_than_the_ring_learns_exactly_what_was_dropped() -> None:
     ep, rp = tcp_pair()
     ring = 500
-    pub = ZmqEventPublisher(bind=True, endpoint=ep, replay_endpoint=rp, buffer_steps=ring)
+    pub = ZmqEventPublisher.open(bind=True, endpoint=ep, replay_endpoint=rp, buffer_steps=ring)
     tail = Tail(ep, rp, 0)
     try:
         assert pub.wait_for_subscriber(timeout=30)

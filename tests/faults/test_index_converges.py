@@ -9,7 +9,7 @@ import time
 from kvconnect import LLM, SamplingParams
 from kvconnect.hashing import to_wire
 from kvconnect.router.index import BlockIndex
-from kvconnect.subscriber import KVEventSubscriber, ReceivedBatch, StreamSnapshot
+from kvconnect.stream.subscriber import KVEventSubscriber, ReceivedBatch, StreamSnapshot
 
 rng = random.Random(21)
 PREFIXES = [[rng.randrange(256) for _ in range(12)] for _ in range(3)]

@@ -7,8 +7,8 @@ import sys
 import time
 from pathlib import Path
 
-from kvconnect.publisher import ZmqEventPublisher
-from kvconnect.subscriber import EventsLost, KVEventSubscriber, ReceivedBatch
+from kvconnect.stream.publisher import ZmqEventPublisher
+from kvconnect.stream.subscriber import EventsLost, KVEventSubscriber, ReceivedBatch
 from tests.helpers import make_batch, tcp_pair
 
 RING = 10_000
@@ -37,7 +37,7 @@ def rss_bytes() -> int:
 
 def test_a_flood_of_non_reading_clients_neither_starves_nor_fakes_losses() -> None:
     ep, rp = tcp_pair()
-    pub = ZmqEventPublisher(bind=True, endpoint=ep, replay_endpoint=rp, buffer_steps=RING)
+    pub = ZmqEventPublisher.open(bind=True, endpoint=ep, replay_endpoint=rp, buffer_steps=RING)
     flood = None
     sub = None
     try:

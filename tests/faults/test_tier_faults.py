@@ -19,9 +19,9 @@ import pytest
 import redis
 
 from kvconnect import LLM, SamplingParams
+from kvconnect.commands.redis_server import LocalRedis
 from kvconnect.connector.offload.tiers.disk import SUFFIX, DiskTier
 from kvconnect.events import MEDIUM_DISK, MEDIUM_EXTERNAL, BlockRemoved, BlockStored
-from kvconnect.redis_server import LocalRedis
 from tests.conftest import start_redis
 from tests.connector.offload.test_redis_removals import Instance, redis_blocks
 

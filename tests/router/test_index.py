@@ -9,7 +9,7 @@ from kvconnect.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEven
 from kvconnect.hashing import block_hashes, to_wire
 from kvconnect.router.index import BlockIndex
 from kvconnect.router.schemes import HashScheme
-from kvconnect.subscriber import EventsLost, PublisherRestarted, ReceivedBatch, StreamId
+from kvconnect.stream.subscriber import EventsLost, PublisherRestarted, ReceivedBatch, StreamId
 
 A, B = "http://a:1", "http://b:1"
 BS = 4

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from kvconnect import LLM, SamplingParams
+from kvconnect.router.core import Instance, Router
 from kvconnect.router.index import BlockIndex
-from kvconnect.router.server import Instance, Router
 from kvconnect.tokenizer import load_tokenizer
 
 pytestmark = pytest.mark.slow
@@ -35,12 +35,12 @@ def test_two_replicas_decide_alike_on_a_replayed_workload(tmp_path: Path) -> Non
             url = f"http://127.0.0.1:{9100 + i}"
             engines[url] = LLM("tiny", block_size=4, num_kv_blocks=64, kv_events_config=events)
             instances.append(Instance(url, events["endpoint"], events["replay_endpoint"]))
-        first = Router(instances, BlockIndex(block_size=4), load_tokenizer("tiny"))
+        first = Router(instances, BlockIndex(block_size=4), load_tokenizer("tiny")).start()
         second = None
         decisions: list[tuple[str, str]] = []
         for n in range(40):
             if n == 15:  # the second replica starts late, after the rings moved on
-                second = Router(instances, BlockIndex(block_size=4), load_tokenizer("tiny"))
+                second = Router(instances, BlockIndex(block_size=4), load_tokenizer("tiny")).start()
             tokens = rng.choice(TENANTS) + [rng.randrange(256) for _ in range(rng.randrange(4, 40))]
             replicas = [first] if second is None else [first, second]
             for r in replicas:  # the same state: every published batch applied

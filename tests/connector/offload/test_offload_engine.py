@@ -12,12 +12,12 @@ from typing import Any
 import pytest
 
 from kvconnect import LLM, SamplingParams
+from kvconnect.commands.redis_server import LocalRedis
 from kvconnect.connector.multi import MultiConnector
 from kvconnect.connector.offload.connector import OffloadConnector
 from kvconnect.connector.offload.tiers.disk import SUFFIX
 from kvconnect.events import BlockRemoved, BlockStored
-from kvconnect.redis_server import LocalRedis
-from kvconnect.subscriber import KVEventSubscriber
+from kvconnect.stream.subscriber import KVEventSubscriber
 from tests.conftest import start_redis
 from tests.connector.helpers import MODULE
 from tests.helpers import read_through

@@ -18,10 +18,10 @@ import torch
 from redis.cluster import RedisCluster
 
 from kvconnect import LLM, SamplingParams
+from kvconnect.commands.redis_server import LocalRedisCluster
 from kvconnect.connector.offload.common import ChunkInfo, OffloadConfig, chunk_key
 from kvconnect.connector.offload.tiers.base import TierError
 from kvconnect.connector.offload.tiers.redis import KEY_PREFIX, RedisTier
-from kvconnect.redis_server import LocalRedisCluster
 from tests.connector.offload.test_offload_engine import CHUNK, offload, settle
 
 pytestmark = pytest.mark.slow

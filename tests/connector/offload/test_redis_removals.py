@@ -14,6 +14,7 @@ import pytest
 import redis
 
 from kvconnect import LLM, SamplingParams
+from kvconnect.commands.redis_server import LocalRedis
 from kvconnect.connector.offload.common import chunk_key
 from kvconnect.connector.offload.connector import OffloadConnector
 from kvconnect.connector.offload.tiers.base import unpack
@@ -28,9 +29,8 @@ from kvconnect.events import (
     BlockStored,
     KVCacheEvent,
 )
-from kvconnect.redis_server import LocalRedis
 from kvconnect.router.index import BlockIndex
-from kvconnect.subscriber import KVEventSubscriber, ReceivedBatch
+from kvconnect.stream.subscriber import KVEventSubscriber, ReceivedBatch
 from tests.conftest import start_redis
 from tests.connector.offload.test_offload_engine import CHUNK, offload, step_until
 

@@ -4,6 +4,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvconnect.commands.redis_server import LocalRedis
 from kvconnect.connector.offload.common import ChunkInfo, OffloadConfig, TierConfig
 from kvconnect.connector.offload.lookup import PrefixLookup
 from kvconnect.connector.offload.tiers import TierPlacement, create_tier
@@ -11,7 +12,6 @@ from kvconnect.connector.offload.tiers.base import TierError, pack, unpack
 from kvconnect.connector.offload.tiers.cpu import CpuTier
 from kvconnect.connector.offload.tiers.disk import DiskTier
 from kvconnect.connector.offload.tiers.redis import RedisTier, redact
-from kvconnect.redis_server import LocalRedis
 
 SHAPE = (2, 2, 8, 2, 4)
 

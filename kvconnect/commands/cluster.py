@@ -24,9 +24,13 @@ import urllib.request
 from pathlib import Path
 from typing import TextIO
 
-from kvconnect.redis_server import LocalRedis
+from aiohttp import web
+
+from kvconnect.commands.redis_server import LocalRedis
+from kvconnect.commands.startup import EVENTS_PORT_OFFSET, REPLAY_PORT_OFFSET, check_port_free
+from kvconnect.router.core import Instance, Router
 from kvconnect.router.index import BlockIndex
-from kvconnect.router.server import Instance, Router, make_app
+from kvconnect.router.server import make_app
 from kvconnect.tokenizer import load_tokenizer
 
 
@@ -117,96 +121,126 @@ def demo(router_url: str, out: TextIO, rounds: int = 3) -> None:
             )
 
 
+class BackgroundRouter:
+    """A router serving on its own event loop thread, for as long as the cluster runs."""
+
+    def __init__(self, router: Router, port: int) -> None:
+        self.url = f"http://127.0.0.1:{port}"
+        self._runner = web.AppRunner(make_app(router), access_log=None)
+        self._loop = asyncio.new_event_loop()
+        self._loop.run_until_complete(self._runner.setup())
+        self._loop.run_until_complete(web.TCPSite(self._runner, "127.0.0.1", port).start())
+        threading.Thread(target=self._loop.run_forever, daemon=True).start()
+
+    def stop(self) -> None:
+        asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(timeout=10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+
+
+def start_instances(
+    args: argparse.Namespace, redis_url: str | None, logs: str, procs: list[subprocess.Popen[bytes]]
+) -> list[Instance]:
+    """Start every instance (appended to `procs` as it starts) and wait until each is up."""
+    instances = []
+    for i in range(args.instances):
+        http_port = args.base_port + 1 + i
+        log = open(f"{logs}/instance-{i}.log", "wb")  # noqa: SIM115 - kept by the child
+        # Own sessions: a terminal's Ctrl-C reaches only this process, which then stops
+        # each instance once.
+        procs.append(
+            subprocess.Popen(
+                instance_command(i, args, redis_url),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        )
+        instances.append(
+            Instance(
+                f"http://127.0.0.1:{http_port}",
+                f"tcp://127.0.0.1:{http_port + EVENTS_PORT_OFFSET}",
+                f"tcp://127.0.0.1:{http_port + REPLAY_PORT_OFFSET}",
+            )
+        )
+    return instances
+
+
+def wait_instances(
+    instances: list[Instance], procs: list[subprocess.Popen[bytes]], logs: str, out: TextIO
+) -> None:
+    start = time.monotonic()
+    for n, (inst, proc) in enumerate(zip(instances, procs, strict=True)):
+        try:
+            wait_healthy(inst.url, proc, timeout=180)
+        except RuntimeError as e:
+            tail = Path(f"{logs}/instance-{n}.log").read_text(errors="replace")[-2000:]
+            raise RuntimeError(f"{e}; its log ends:\n{tail}") from None
+        print(
+            f"[{n + 1}/{len(instances)}] instance {inst.url} ready "
+            f"({time.monotonic() - start:.1f}s), events {inst.events_endpoint}",
+            file=out,
+            flush=True,
+        )
+
+
+def print_router_metrics(router_url: str, out: TextIO) -> None:
+    with urllib.request.urlopen(router_url + "/metrics") as r:
+        wanted = ("decisions_total", "hit_blocks_total", "index_entries ")
+        for line in r.read().decode().splitlines():
+            if any(w in line for w in wanted) and not line.startswith("#"):
+                print(f"  {line}", file=out)
+
+
+def serve_until_interrupted(out: TextIO) -> None:
+    print("# serving; Ctrl-C stops the cluster", file=out, flush=True)
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt))
+    try:
+        while True:
+            time.sleep(1)
+    except KeyboardInterrupt:
+        print("# stopping", file=out, flush=True)
+
+
+def stop_all(procs: list[subprocess.Popen[bytes]]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGINT)
+    for p in procs:
+        try:
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            p.kill()
+
+
 def run_cluster(args: argparse.Namespace, out: TextIO) -> int:
-    from aiohttp import web
-
-    from kvconnect.startup import EVENTS_PORT_OFFSET, REPLAY_PORT_OFFSET, check_port_free
-
     procs: list[subprocess.Popen[bytes]] = []
-    router_loop: asyncio.AbstractEventLoop | None = None
-    runner: web.AppRunner | None = None
+    front: BackgroundRouter | None = None
     if args.log_level != "debug":  # the demo's lines, not the router's access log
         logging.getLogger("kvconnect.access").setLevel(logging.WARNING)
-    redis_url = None
     local_redis: LocalRedis | None = None
     logs = tempfile.mkdtemp(prefix="kvconnect-cluster-")
     check_port_free("127.0.0.1", args.base_port, "--base-port (the router)")
     try:
         if args.redis:
             local_redis = LocalRedis()
-            redis_url = local_redis.url
-            print(f"# redis on {redis_url}", file=out, flush=True)
-        instances = []
-        for i in range(args.instances):
-            http_port = args.base_port + 1 + i
-            log = open(f"{logs}/instance-{i}.log", "wb")  # noqa: SIM115 - kept by the child
-            # Own sessions: a terminal's Ctrl-C reaches only this process, which then stops
-            # each instance once.
-            procs.append(
-                subprocess.Popen(
-                    instance_command(i, args, redis_url),
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                )
-            )
-            instances.append(
-                Instance(
-                    f"http://127.0.0.1:{http_port}",
-                    f"tcp://127.0.0.1:{http_port + EVENTS_PORT_OFFSET}",
-                    f"tcp://127.0.0.1:{http_port + REPLAY_PORT_OFFSET}",
-                )
-            )
+            print(f"# redis on {local_redis.url}", file=out, flush=True)
+        redis_url = local_redis.url if local_redis is not None else None
+        instances = start_instances(args, redis_url, logs, procs)
         print(f"# {args.instances} instances of {args.model} starting; logs in {logs}", file=out)
-        start = time.monotonic()
-        for n, (inst, proc) in enumerate(zip(instances, procs, strict=True)):
-            try:
-                wait_healthy(inst.url, proc, timeout=180)
-            except RuntimeError as e:
-                tail = Path(f"{logs}/instance-{n}.log").read_text(errors="replace")[-2000:]
-                raise RuntimeError(f"{e}; its log ends:\n{tail}") from None
-            print(
-                f"[{n + 1}/{args.instances}] instance {inst.url} ready "
-                f"({time.monotonic() - start:.1f}s), events {inst.events_endpoint}",
-                file=out,
-                flush=True,
-            )
-        router = Router(instances, BlockIndex(), load_tokenizer(args.model))
-        router_url = f"http://127.0.0.1:{args.base_port}"
-        runner = web.AppRunner(make_app(router), access_log=None)
-        router_loop = asyncio.new_event_loop()
-        router_loop.run_until_complete(runner.setup())
-        router_loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", args.base_port).start())
-        threading.Thread(target=router_loop.run_forever, daemon=True).start()
-        wait_healthy(router_url, None, timeout=30)
-        print(f"# router on {router_url} (metrics at {router_url}/metrics)", file=out, flush=True)
+        wait_instances(instances, procs, logs, out)
+        router = Router(instances, BlockIndex(), load_tokenizer(args.model)).start()
+        front = BackgroundRouter(router, args.base_port)
+        wait_healthy(front.url, None, timeout=30)
+        print(f"# router on {front.url} (metrics at {front.url}/metrics)", file=out, flush=True)
         if args.demo_rounds:
-            demo(router_url, out, args.demo_rounds)
-            with urllib.request.urlopen(router_url + "/metrics") as r:
-                wanted = ("decisions_total", "hit_blocks_total", "index_entries ")
-                for line in r.read().decode().splitlines():
-                    if any(w in line for w in wanted) and not line.startswith("#"):
-                        print(f"  {line}", file=out)
+            demo(front.url, out, args.demo_rounds)
+            print_router_metrics(front.url, out)
         if not args.exit_after_demo:
-            print("# serving; Ctrl-C stops the cluster", file=out, flush=True)
-            signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt))
-            try:
-                while True:
-                    time.sleep(1)
-            except KeyboardInterrupt:
-                print("# stopping", file=out, flush=True)
+            serve_until_interrupted(out)
         return 0
     finally:
-        if router_loop is not None and runner is not None:  # the router first: no alarms
-            asyncio.run_coroutine_threadsafe(runner.cleanup(), router_loop).result(timeout=10)
-            router_loop.call_soon_threadsafe(router_loop.stop)
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGINT)
-        for p in procs:
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        if front is not None:  # the router first: no alarms
+            front.stop()
+        stop_all(procs)
         if local_redis is not None:
             local_redis.stop()

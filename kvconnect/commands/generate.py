@@ -15,7 +15,7 @@ from kvconnect.config import KVEventsConfig
 from kvconnect.engine.llm import LLM, as_config
 from kvconnect.engine.request import SamplingParams
 from kvconnect.events import BlockRemoved, BlockStored
-from kvconnect.subscriber import KVEventSubscriber, ReceivedBatch
+from kvconnect.stream.subscriber import KVEventSubscriber, ReceivedBatch
 
 
 def summarize(subscriber: KVEventSubscriber) -> str:

@@ -16,7 +16,7 @@ import pytest
 
 from kvconnect.engine.llm import LLM
 from kvconnect.engine.request import SamplingParams
-from kvconnect.engine_loop import EngineLoop, Failed, Job, Update
+from kvconnect.serve.engine_loop import EngineLoop, Failed, Job, Update
 from tests.serving import Serve
 
 pytestmark = pytest.mark.slow

@@ -9,9 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvconnect.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
-from kvconnect.publisher import ZmqEventPublisher
-from kvconnect.stream_state import StreamState
-from kvconnect.subscriber import (
+from kvconnect.stream.publisher import ZmqEventPublisher
+from kvconnect.stream.state import StreamState
+from kvconnect.stream.subscriber import (
     EventsLost,
     KVEventSubscriber,
     ReceivedBatch,
@@ -107,7 +107,7 @@ def collect(sub: KVEventSubscriber, until_seq: int, timeout: float = 10.0) -> li
 
 def test_a_late_subscriber_gets_the_whole_state_though_the_ring_dropped_its_history() -> None:
     ep, rp = tcp_pair()
-    pub = ZmqEventPublisher(bind=True, endpoint=ep, replay_endpoint=rp, buffer_steps=10)
+    pub = ZmqEventPublisher.open(bind=True, endpoint=ep, replay_endpoint=rp, buffer_steps=10)
     events = random_events(random.Random(5), 300)
     try:
         for ev in events[:200]:
@@ -136,11 +136,11 @@ def test_a_late_subscriber_gets_the_whole_state_though_the_ring_dropped_its_hist
 def test_a_loss_replay_cannot_repair_is_followed_by_a_snapshot() -> None:
     """A subscriber that falls behind the ring (the publisher's live queue overflowed while it
     was away) reports the loss, then gets a snapshot, then goes on: its view is the truth."""
-    from tests.test_publisher import StalledPublisher
+    from tests.stream.test_publisher import StalledPublisher
 
     ep, rp = tcp_pair()
     StalledPublisher.release.clear()
-    pub = StalledPublisher(
+    pub = StalledPublisher.open(
         bind=True, endpoint=ep, replay_endpoint=rp, max_queue_size=2, buffer_steps=5
     )
     events = random_events(random.Random(11), 60)
@@ -166,7 +166,7 @@ def test_a_loss_replay_cannot_repair_is_followed_by_a_snapshot() -> None:
 
 def test_an_empty_or_fresh_publisher_needs_no_snapshot() -> None:
     ep, rp = tcp_pair()
-    pub = ZmqEventPublisher(bind=True, endpoint=ep, replay_endpoint=rp)
+    pub = ZmqEventPublisher.open(bind=True, endpoint=ep, replay_endpoint=rp)
     try:
         with KVEventSubscriber(ep, rp, start_seq=0, snapshots=True) as sub:
             assert pub.wait_for_subscriber()
@@ -181,7 +181,7 @@ def test_an_empty_or_fresh_publisher_needs_no_snapshot() -> None:
 @pytest.mark.parametrize("num_blocks", [0, 5000])
 def test_a_snapshot_travels_in_batches_and_arrives_whole(num_blocks: int) -> None:
     ep, rp = tcp_pair()
-    pub = ZmqEventPublisher(bind=True, endpoint=ep, replay_endpoint=rp, buffer_steps=1)
+    pub = ZmqEventPublisher.open(bind=True, endpoint=ep, replay_endpoint=rp, buffer_steps=1)
     hashes = list(range(num_blocks))
     try:
         pub.publish(KVEventBatch(0.0, [AllBlocksCleared()]))

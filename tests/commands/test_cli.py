@@ -9,11 +9,11 @@ import pytest
 
 from kvconnect import __version__
 from kvconnect.cli import main
+from kvconnect.commands.events import demo_batches, format_item, run_demo
 from kvconnect.events import AllBlocksCleared, BlockStored, KVEventBatch
-from kvconnect.events_tool import demo_batches, format_item, run_demo
 from kvconnect.hashing import block_hashes, to_wire
-from kvconnect.publisher import ZmqEventPublisher
-from kvconnect.subscriber import EventsLost, PublisherRestarted, ReceivedBatch, StreamId
+from kvconnect.stream.publisher import ZmqEventPublisher
+from kvconnect.stream.subscriber import EventsLost, PublisherRestarted, ReceivedBatch, StreamId
 from tests.helpers import free_port, make_batch, tcp_pair
 
 
@@ -51,7 +51,7 @@ def test_format_items_readable_and_json() -> None:
 
 def test_tail_snapshot_prints_the_whole_state_then_follows() -> None:
     ep, rp = tcp_pair()
-    pub = ZmqEventPublisher(bind=True, endpoint=ep, replay_endpoint=rp, buffer_steps=2)
+    pub = ZmqEventPublisher.open(bind=True, endpoint=ep, replay_endpoint=rp, buffer_steps=2)
     try:
         for i in range(10):  # ten stored blocks; the ring keeps only the last two batches
             pub.publish(KVEventBatch(0.0, [BlockStored([i], None, [i] * 4, 4, None, "GPU", None)]))

@@ -14,7 +14,7 @@ from typing import Any
 
 from kvconnect.config import KVEventsConfig, KVTransferConfig
 from kvconnect.connector.registry import KVConnectorFactory
-from kvconnect.publisher import EventPublisherFactory
+from kvconnect.stream.publisher import EventPublisherFactory
 
 EVENTS_PORT_OFFSET, REPLAY_PORT_OFFSET = 10_000, 20_000
 
@@ -37,16 +37,23 @@ def events_config(text: str | None, http_port: int) -> KVEventsConfig | None:
     if data is None:
         return None
     if data.get("enable_kv_cache_events") is True:
-        if "endpoint" not in data:
-            data["endpoint"] = f"tcp://127.0.0.1:{http_port + EVENTS_PORT_OFFSET}"
-            data.setdefault("bind", True)
-        if "replay_endpoint" not in data:
-            data["replay_endpoint"] = f"tcp://127.0.0.1:{http_port + REPLAY_PORT_OFFSET}"
-        if http_port + REPLAY_PORT_OFFSET > 65535:
-            raise ValueError(
-                f"--port {http_port}: too high to derive the KV event ports from (port + "
-                f"{REPLAY_PORT_OFFSET}); give endpoint and replay_endpoint in --kv-events-config"
+        derived = [
+            (key, offset)
+            for key, offset in (
+                ("endpoint", EVENTS_PORT_OFFSET),
+                ("replay_endpoint", REPLAY_PORT_OFFSET),
             )
+            if key not in data
+        ]
+        for key, offset in derived:
+            if http_port + offset > 65535:
+                raise ValueError(
+                    f"--port {http_port}: too high to derive the KV event {key} from (port + "
+                    f"{offset}); give endpoint and replay_endpoint in --kv-events-config"
+                )
+            data[key] = f"tcp://127.0.0.1:{http_port + offset}"
+        if "endpoint" in dict(derived):
+            data.setdefault("bind", True)
     try:
         config = KVEventsConfig.from_dict(data)
         EventPublisherFactory.check_known(config)

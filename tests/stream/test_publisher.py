@@ -8,11 +8,12 @@ from queue import Empty
 from typing import Any
 
 import pytest
+import msgspec
 import zmq
 
 from kvconnect.config import KVEventsConfig
 from kvconnect.events import KVEventBatch, decode_batch
-from kvconnect.publisher import (
+from kvconnect.stream.publisher import (
     END_SEQ,
     EventPublisher,
     EventPublisherFactory,
@@ -86,7 +87,7 @@ class StalledPublisher(ZmqEventPublisher):
 
 def test_live_frames_are_exactly_topic_seq_payload(ctx: zmq.Context[Any]) -> None:
     ep, rp = tcp_pair()
-    pub = ZmqEventPublisher(bind=True, endpoint=ep, replay_endpoint=rp, topic="kv@10.0.0.1@m")
+    pub = ZmqEventPublisher.open(bind=True, endpoint=ep, replay_endpoint=rp, topic="kv@10.0.0.1@m")
     sub = raw_sub(ctx, pub)
     try:
         sent = [make_batch(i, num_events=3) for i in range(10)]
@@ -99,8 +100,9 @@ def test_live_frames_are_exactly_topic_seq_payload(ctx: zmq.Context[Any]) -> Non
             assert frames[0] == b"kv@10.0.0.1@m"
             assert frames[1] == i.to_bytes(8, "big")
             batch = decode_batch(frames[2])
-            assert batch == sent[i]
-            assert batch.data_parallel_rank == 0
+            # The rank is stamped on the wire, not in the caller's batch.
+            assert sent[i].data_parallel_rank is None and batch.data_parallel_rank == 0
+            assert batch == msgspec.structs.replace(sent[i], data_parallel_rank=0)
             assert abs(batch.ts - time.time()) < 5
         assert pub.num_published == 10 and pub.num_dropped == 0
     finally:
@@ -110,7 +112,7 @@ def test_live_frames_are_exactly_topic_seq_payload(ctx: zmq.Context[Any]) -> Non
 
 def test_replay_from_middle_returns_exactly_the_later_batches(ctx: zmq.Context[Any]) -> None:
     ep, rp = tcp_pair()
-    pub = ZmqEventPublisher(bind=True, endpoint=ep, replay_endpoint=rp, topic="test")
+    pub = ZmqEventPublisher.open(bind=True, endpoint=ep, replay_endpoint=rp, topic="test")
     try:
         payloads = []
         for i in range(19):
@@ -131,7 +133,7 @@ def test_replay_from_middle_returns_exactly_the_later_batches(ctx: zmq.Context[A
 
 def test_replay_ring_keeps_the_last_buffer_steps() -> None:
     ep, rp = tcp_pair()
-    pub = ZmqEventPublisher(bind=True, endpoint=ep, replay_endpoint=rp, buffer_steps=100)
+    pub = ZmqEventPublisher.open(bind=True, endpoint=ep, replay_endpoint=rp, buffer_steps=100)
     try:
         for i in range(110):
             pub.publish(make_batch(i))
@@ -143,7 +145,7 @@ def test_replay_ring_keeps_the_last_buffer_steps() -> None:
 
 def test_replay_answers_a_req_client(ctx: zmq.Context[Any]) -> None:
     ep, rp = tcp_pair()
-    pub = ZmqEventPublisher(bind=True, endpoint=ep, replay_endpoint=rp, topic="t")
+    pub = ZmqEventPublisher.open(bind=True, endpoint=ep, replay_endpoint=rp, topic="t")
     req = ctx.socket(zmq.REQ)
     req.setsockopt(zmq.LINGER, 0)
     req.connect(rp)
@@ -168,7 +170,7 @@ def test_replay_answers_a_req_client(ctx: zmq.Context[Any]) -> None:
 )
 def test_malformed_replay_requests_get_the_terminator(frames: list[bytes]) -> None:
     ep, rp = tcp_pair()
-    pub = ZmqEventPublisher(bind=True, endpoint=ep, replay_endpoint=rp)
+    pub = ZmqEventPublisher.open(bind=True, endpoint=ep, replay_endpoint=rp)
     try:
         pub.publish(make_batch(0))
         assert replay_request(rp, frames) == [terminator(pub)]
@@ -181,7 +183,7 @@ def test_malformed_replay_requests_get_the_terminator(frames: list[bytes]) -> No
 
 def test_topic_filtering(ctx: zmq.Context[Any]) -> None:
     ep, _ = tcp_pair()
-    pub = ZmqEventPublisher(bind=True, endpoint=ep, topic="foo")
+    pub = ZmqEventPublisher.open(bind=True, endpoint=ep, topic="foo")
     foo, bar = raw_sub(ctx, pub, b"foo"), raw_sub(ctx, pub, b"bar")
     try:
         for i in range(3):
@@ -197,7 +199,7 @@ def test_topic_filtering(ctx: zmq.Context[Any]) -> None:
 def test_dp_rank_offsets_tcp_ports(ctx: zmq.Context[Any]) -> None:
     ep, rp = tcp_pair()
     base_port = int(ep.rsplit(":", 1)[1])
-    pub1 = ZmqEventPublisher(bind=True, data_parallel_rank=1, endpoint=ep, replay_endpoint=rp)
+    pub1 = ZmqEventPublisher.open(bind=True, data_parallel_rank=1, endpoint=ep, replay_endpoint=rp)
     assert pub1.endpoint == f"tcp://127.0.0.1:{base_port + 1}"
     assert pub1.replay_endpoint == f"tcp://127.0.0.1:{base_port + 3}"
     sub = raw_sub(ctx, pub1)
@@ -215,7 +217,9 @@ def test_dp_rank_offsets_tcp_ports(ctx: zmq.Context[Any]) -> None:
 def test_dp_rank_offsets_ipc_paths(ctx: zmq.Context[Any]) -> None:
     with tempfile.TemporaryDirectory() as d:
         ep, rp = f"ipc://{d}/kv", f"ipc://{d}/kv-replay"
-        pub1 = ZmqEventPublisher(bind=True, data_parallel_rank=1, endpoint=ep, replay_endpoint=rp)
+        pub1 = ZmqEventPublisher.open(
+            bind=True, data_parallel_rank=1, endpoint=ep, replay_endpoint=rp
+        )
         assert pub1.endpoint == f"ipc://{d}/kv_dp1"
         assert os.path.exists(f"{d}/kv_dp1") and os.path.exists(f"{d}/kv-replay_dp1")
         sub = raw_sub(ctx, pub1)
@@ -229,7 +233,7 @@ def test_dp_rank_offsets_ipc_paths(ctx: zmq.Context[Any]) -> None:
 
 
 def test_inproc_transport(ctx: zmq.Context[Any]) -> None:
-    pub = ZmqEventPublisher(
+    pub = ZmqEventPublisher.open(
         bind=True, endpoint="inproc://kv-test", replay_endpoint="inproc://kv-test-r"
     )
     sub = raw_sub(ctx, pub)
@@ -267,12 +271,12 @@ def test_endpoint_rules_are_vllms_with_a_loopback_default() -> None:
 
 def test_bad_arguments_and_busy_port_are_clear_errors() -> None:
     with pytest.raises(ValueError, match="buffer_steps"):
-        ZmqEventPublisher(endpoint="tcp://127.0.0.1:5", buffer_steps=0)
+        ZmqEventPublisher.open(endpoint="tcp://127.0.0.1:5", buffer_steps=0)
     ep, _ = tcp_pair()
-    first = ZmqEventPublisher(bind=True, endpoint=ep)
+    first = ZmqEventPublisher.open(bind=True, endpoint=ep)
     try:
         with pytest.raises(RuntimeError, match="cannot open KV event sockets"):
-            ZmqEventPublisher(bind=True, endpoint=ep)
+            ZmqEventPublisher.open(bind=True, endpoint=ep)
     finally:
         first.shutdown()
 
@@ -282,7 +286,7 @@ def test_full_queue_drops_live_but_keeps_replayable_and_publish_never_waits(
 ) -> None:
     ep, rp = tcp_pair()
     StalledPublisher.release.clear()
-    pub = StalledPublisher(bind=True, endpoint=ep, replay_endpoint=rp, max_queue_size=5)
+    pub = StalledPublisher.open(bind=True, endpoint=ep, replay_endpoint=rp, max_queue_size=5)
     sub = raw_sub(ctx, pub)
     try:
         for i in range(50):  # the sending thread is stuck: publish() must still return
@@ -305,7 +309,7 @@ def test_shutdown_flushes_is_idempotent_and_publish_after_raises(
     ctx: zmq.Context[Any],
 ) -> None:
     ep, _ = tcp_pair()
-    pub = ZmqEventPublisher(bind=True, endpoint=ep)
+    pub = ZmqEventPublisher.open(bind=True, endpoint=ep)
     sub = raw_sub(ctx, pub)
     try:
         for i in range(2000):
@@ -323,7 +327,7 @@ def test_shutdown_flushes_is_idempotent_and_publish_after_raises(
 def test_shutdown_of_a_stuck_sender_returns_within_the_timeout() -> None:
     ep, _ = tcp_pair()
     StalledPublisher.release.clear()
-    pub = StalledPublisher(bind=True, endpoint=ep)
+    pub = StalledPublisher.open(bind=True, endpoint=ep)
     pub.publish(make_batch(0))
     start = time.monotonic()
     pub.shutdown(timeout=0.2)
@@ -333,7 +337,7 @@ def test_shutdown_of_a_stuck_sender_returns_within_the_timeout() -> None:
 
 def test_rank_already_set_is_kept() -> None:
     ep, rp = tcp_pair()
-    pub = ZmqEventPublisher(bind=True, data_parallel_rank=2, endpoint=ep, replay_endpoint=rp)
+    pub = ZmqEventPublisher.open(bind=True, data_parallel_rank=2, endpoint=ep, replay_endpoint=rp)
     try:
         b = make_batch(0)
         b.data_parallel_rank = 5
@@ -377,9 +381,9 @@ def test_factory_builds_zmq_with_rank_offsets_and_leaves_config_alone() -> None:
 
 def test_factory_registry() -> None:
     class Recording(EventPublisher):
-        def __init__(self, data_parallel_rank: int = 0, **kwargs: Any) -> None:
+        def __init__(self, config: KVEventsConfig, data_parallel_rank: int) -> None:
             super().__init__(data_parallel_rank)
-            self.kwargs = kwargs
+            self.config = config
 
         def publish(self, batch: KVEventBatch) -> None:
             pass
@@ -395,14 +399,15 @@ def test_factory_registry() -> None:
         KVEventsConfig(enable_kv_cache_events=True, publisher=name, topic="t"), 3
     )
     assert isinstance(pub, Recording) and pub._data_parallel_rank == 3
-    assert pub.kwargs["topic"] == "t" and "publisher" not in pub.kwargs
+    assert pub.config.topic == "t" and pub.config.publisher == name
+    assert pub.num_published == 0 and pub.endpoint is None  # every publisher's counters
     with pytest.raises(ValueError, match=r"unknown event publisher 'nope'; known: .*null.*zmq"):
         EventPublisherFactory.create(KVEventsConfig(enable_kv_cache_events=True, publisher="nope"))
 
 
 def test_each_publisher_has_its_own_epoch_in_the_replay_terminator() -> None:
     ep, rp = tcp_pair()
-    pub = ZmqEventPublisher(bind=True, endpoint=ep, replay_endpoint=rp)
+    pub = ZmqEventPublisher.open(bind=True, endpoint=ep, replay_endpoint=rp)
     try:
         for i in range(3):
             pub.publish(make_batch(i))
@@ -424,7 +429,7 @@ def test_subscriptions_are_counted_and_wait_for_subscriber_times_out(
     ctx: zmq.Context[Any],
 ) -> None:
     ep, _ = tcp_pair()
-    pub = ZmqEventPublisher(bind=True, endpoint=ep)
+    pub = ZmqEventPublisher.open(bind=True, endpoint=ep)
     try:
         assert pub.num_subscriptions == 0 and not pub.wait_for_subscriber(timeout=0.2)
         sub = raw_sub(ctx, pub)
@@ -443,7 +448,7 @@ def test_a_dp_rank_connecting_to_a_collector_offsets_its_port_too(ctx: zmq.Conte
     collector.setsockopt(zmq.LINGER, 0)
     collector.setsockopt(zmq.SUBSCRIBE, b"")
     collector.bind(f"tcp://127.0.0.1:{port + 1}")
-    pub = ZmqEventPublisher(data_parallel_rank=1, endpoint=ep)  # 127.0.0.1: connect
+    pub = ZmqEventPublisher.open(data_parallel_rank=1, endpoint=ep)  # 127.0.0.1: connect
     try:
         assert pub.endpoint == f"tcp://127.0.0.1:{port + 1}"
         deadline = time.monotonic() + 10
@@ -458,7 +463,7 @@ def test_a_dp_rank_connecting_to_a_collector_offsets_its_port_too(ctx: zmq.Conte
 
 
 def test_port_zero_binds_a_port_the_os_chooses(ctx: zmq.Context[Any]) -> None:
-    pub = ZmqEventPublisher(
+    pub = ZmqEventPublisher.open(
         endpoint="tcp://127.0.0.1:0", replay_endpoint="tcp://127.0.0.1:0", bind=True
     )
     try:

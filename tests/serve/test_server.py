@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from kvconnect.events import BlockStored
-from kvconnect.subscriber import KVEventSubscriber, ReceivedBatch
+from kvconnect.stream.subscriber import KVEventSubscriber, ReceivedBatch
 from tests.serving import Serve, post
 
 pytestmark = pytest.mark.slow

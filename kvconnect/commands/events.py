@@ -26,8 +26,8 @@ from kvconnect.events import (
     KVEventBatch,
 )
 from kvconnect.hashing import block_hashes, to_wire
-from kvconnect.publisher import ZmqEventPublisher
-from kvconnect.subscriber import (
+from kvconnect.stream.publisher import ZmqEventPublisher
+from kvconnect.stream.subscriber import (
     KVEventSubscriber,
     PublisherRestarted,
     ReceivedBatch,
@@ -145,7 +145,7 @@ def demo_batches(num_batches: int, block_size: int = 16, seed: int = 0) -> list[
 
 def run_demo(port: int, num_batches: int, out: TextIO) -> int:
     endpoint, replay = f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{port + 1}"
-    publisher = ZmqEventPublisher(
+    publisher = ZmqEventPublisher.open(
         endpoint=endpoint, replay_endpoint=replay, topic="kvconnect", bind=True
     )
     subscriber = KVEventSubscriber(endpoint, replay, topic="kvconnect", start_seq=0)

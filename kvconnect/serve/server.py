@@ -39,8 +39,8 @@ from kvconnect.api.protocol import (
 from kvconnect.api.responses import DONE, Envelope, Usage, sse
 from kvconnect.engine.llm import LLM
 from kvconnect.engine.request import Request, SamplingParams
-from kvconnect.engine_loop import EngineLoop, Failed, Job, Update
-from kvconnect.serve_metrics import ServeMetrics
+from kvconnect.serve.engine_loop import EngineLoop, Failed, Job, Update
+from kvconnect.serve.metrics import ServeMetrics
 from kvconnect.tokenizer import ChatTemplateError
 
 logger = logging.getLogger(__name__)
@@ -343,36 +343,3 @@ async def _serve(llm: LLM, host: str, port: int, model_name: str, ready: str) ->
 
 
 __all__ = ["OpenAIServer", "make_app", "serve"]
-
-
-def run_serve(args: Any) -> int:
-    """`kvconnect serve`: configs and ports checked, then the model loaded, then served."""
-    from kvconnect.startup import (
-        check_events_ports,
-        check_port_free,
-        events_config,
-        transfer_config,
-    )
-
-    events = events_config(args.kv_events_config, args.port)
-    transfer = transfer_config(args.kv_transfer_config)
-    check_port_free(args.host, args.port, "--port")
-    check_events_ports(events)
-    llm = LLM(
-        args.model,
-        tensor_parallel_size=args.tp,
-        block_size=args.block_size,
-        num_kv_blocks=args.num_kv_blocks,
-        max_model_len=args.max_model_len,
-        hash_seed=args.hash_seed,
-        kv_transfer_config=transfer,
-        kv_events_config=events,
-    )
-    ready = ""
-    if events is not None and events.enable_kv_cache_events:
-        pub: Any = llm.publisher
-        ready = f"; KV events {pub.endpoint}, replay {pub.replay_endpoint}"
-    try:
-        return serve(llm, args.host, args.port, args.served_model_name or args.model, ready)
-    finally:
-        llm.shutdown()

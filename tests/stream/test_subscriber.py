@@ -15,8 +15,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvconnect.events import encode_batch
-from kvconnect.publisher import END_SEQ, ZmqEventPublisher
-from kvconnect.subscriber import (
+from kvconnect.stream.publisher import END_SEQ, ZmqEventPublisher
+from kvconnect.stream.subscriber import (
     EventsLost,
     KVEventSubscriber,
     PublisherRestarted,
@@ -35,7 +35,7 @@ from tests.helpers import (
     tcp_pair,
     wait_subscribed,
 )
-from tests.test_publisher import StalledPublisher
+from tests.stream.test_publisher import StalledPublisher
 
 
 def seqs(items: list[SubscriberItem]) -> list[int]:
@@ -44,7 +44,7 @@ def seqs(items: list[SubscriberItem]) -> list[int]:
 
 def test_yields_seq_and_batch_in_order() -> None:
     ep, rp = tcp_pair()
-    pub = ZmqEventPublisher(bind=True, endpoint=ep, replay_endpoint=rp, topic="kv")
+    pub = ZmqEventPublisher.open(bind=True, endpoint=ep, replay_endpoint=rp, topic="kv")
     sub = KVEventSubscriber(ep, rp, topic="kv")
     assert pub.wait_for_subscriber()
     try:
@@ -64,7 +64,7 @@ def test_yields_seq_and_batch_in_order() -> None:
 def test_gap_is_repaired_from_replay_before_later_batches() -> None:
     ep, rp = tcp_pair()
     StalledPublisher.release.clear()
-    pub = StalledPublisher(bind=True, endpoint=ep, replay_endpoint=rp, max_queue_size=3)
+    pub = StalledPublisher.open(bind=True, endpoint=ep, replay_endpoint=rp, max_queue_size=3)
     sub = KVEventSubscriber(ep, rp)
     assert pub.wait_for_subscriber()
     try:
@@ -86,7 +86,7 @@ def test_gap_is_repaired_from_replay_before_later_batches() -> None:
 def test_ring_overrun_is_reported_as_events_lost() -> None:
     ep, rp = tcp_pair()
     StalledPublisher.release.clear()
-    pub = StalledPublisher(
+    pub = StalledPublisher.open(
         bind=True, endpoint=ep, replay_endpoint=rp, max_queue_size=2, buffer_steps=5
     )
     sub = KVEventSubscriber(ep, rp)
@@ -112,7 +112,7 @@ def test_ring_overrun_is_reported_as_events_lost() -> None:
 def test_gap_without_replay_endpoint_is_lost_not_hidden() -> None:
     ep, _ = tcp_pair()
     StalledPublisher.release.clear()
-    pub = StalledPublisher(bind=True, endpoint=ep, max_queue_size=1)
+    pub = StalledPublisher.open(bind=True, endpoint=ep, max_queue_size=1)
     sub = KVEventSubscriber(ep)
     assert pub.wait_for_subscriber()
     try:
@@ -134,7 +134,7 @@ def test_gap_without_replay_endpoint_is_lost_not_hidden() -> None:
 
 def test_start_seq_zero_catches_up_the_slow_joiner_gap() -> None:
     ep, rp = tcp_pair()
-    pub = ZmqEventPublisher(bind=True, endpoint=ep, replay_endpoint=rp)
+    pub = ZmqEventPublisher.open(bind=True, endpoint=ep, replay_endpoint=rp)
     try:
         for i in range(30):
             pub.publish(make_batch(i))
@@ -150,7 +150,7 @@ def test_start_seq_zero_catches_up_the_slow_joiner_gap() -> None:
 
 def test_a_late_subscriber_catches_up_on_an_idle_stream_at_connect() -> None:
     ep, rp = tcp_pair()
-    pub = ZmqEventPublisher(bind=True, endpoint=ep, replay_endpoint=rp)
+    pub = ZmqEventPublisher.open(bind=True, endpoint=ep, replay_endpoint=rp)
     try:
         for i in range(500):
             pub.publish(make_batch(i))
@@ -164,7 +164,7 @@ def test_a_late_subscriber_catches_up_on_an_idle_stream_at_connect() -> None:
 
 def test_live_batches_that_the_handshake_already_replayed_are_dropped_once() -> None:
     ep, rp = tcp_pair()
-    pub = ZmqEventPublisher(bind=True, endpoint=ep, replay_endpoint=rp)
+    pub = ZmqEventPublisher.open(bind=True, endpoint=ep, replay_endpoint=rp)
     try:
         sub = KVEventSubscriber(ep, rp, start_seq=0)
         assert pub.wait_for_subscriber()
@@ -182,7 +182,7 @@ def test_live_batches_that_the_handshake_already_replayed_are_dropped_once() -> 
 
 def test_publisher_restart_is_reported_then_new_stream_read_from_zero() -> None:
     ep, rp = tcp_pair()
-    pub = ZmqEventPublisher(bind=True, endpoint=ep, replay_endpoint=rp)
+    pub = ZmqEventPublisher.open(bind=True, endpoint=ep, replay_endpoint=rp)
     sub = KVEventSubscriber(ep, rp)
     assert pub.wait_for_subscriber()
     try:
@@ -217,7 +217,7 @@ def test_a_restart_behind_a_disconnect_is_seen_whatever_the_new_seqs(new_publish
     subscriber is back. N below 100 goes back, N=100 continues A's seqs exactly, N above
     passes them: in no case may B's batches be read as A's continuation."""
     ep, rp = tcp_pair()
-    a = ZmqEventPublisher(bind=True, endpoint=ep, replay_endpoint=rp)
+    a = ZmqEventPublisher.open(bind=True, endpoint=ep, replay_endpoint=rp)
     sub = KVEventSubscriber(ep, rp)
     assert a.wait_for_subscriber()
     b = None
@@ -271,7 +271,7 @@ def test_a_vllm_publisher_restart_is_seen_by_its_seq_going_back() -> None:
 def test_follows_several_publishers_keeping_order_per_publisher() -> None:
     ep, rp = tcp_pair()
     pubs = [
-        ZmqEventPublisher(bind=True, data_parallel_rank=r, endpoint=ep, replay_endpoint=rp)
+        ZmqEventPublisher.open(bind=True, data_parallel_rank=r, endpoint=ep, replay_endpoint=rp)
         for r in (0, 1)
     ]
     sub = KVEventSubscriber([p.endpoint for p in pubs], [p.replay_endpoint for p in pubs])
@@ -302,7 +302,7 @@ def test_bind_layout_publishers_connect_and_replay_by_rank() -> None:
     sub = KVEventSubscriber(collector, replays, bind=True)
     StalledPublisher.release.clear()
     pubs = [
-        StalledPublisher(
+        StalledPublisher.open(
             data_parallel_rank=r, endpoint=ep, replay_endpoint=rp, bind=False, max_queue_size=2
         )
         for r in (0, 1)
@@ -394,7 +394,7 @@ def test_garbage_frames_are_counted_and_skipped() -> None:
 def fuzz_target() -> Any:
     ep, rp = tcp_pair()
     raw = bound_xpub(ep)
-    publisher = ZmqEventPublisher(
+    publisher = ZmqEventPublisher.open(
         endpoint=f"tcp://127.0.0.1:{int(rp.rsplit(':', 1)[1]) + 1}", replay_endpoint=rp, bind=True
     )
     sub = KVEventSubscriber(ep)
@@ -458,7 +458,7 @@ def read_json_lines(proc: subprocess.Popen[str], until_seq: int | None) -> list[
 @pytest.mark.slow
 def test_subscriber_process_killed_and_restarted_sees_every_batch_in_order() -> None:
     ep, rp = tcp_pair()
-    pub = ZmqEventPublisher(bind=True, endpoint=ep, replay_endpoint=rp, topic="kv")
+    pub = ZmqEventPublisher.open(bind=True, endpoint=ep, replay_endpoint=rp, topic="kv")
     total = 400
     stop = threading.Event()
 
@@ -537,7 +537,7 @@ def test_stalled_subscriber_gets_every_batch_once_through_replay_after_resuming(
     # ipc: a unix socket buffers far less than loopback TCP, so the stall really drops.
     ep, rp = f"ipc://{tmp_path}/ev", f"ipc://{tmp_path}/replay"
     total = 3000
-    pub = ZmqEventPublisher(
+    pub = ZmqEventPublisher.open(
         bind=True, endpoint=ep, replay_endpoint=rp, hwm=10, buffer_steps=total + 10
     )
     sub = KVEventSubscriber(ep, rp, hwm=10)

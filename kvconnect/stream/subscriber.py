@@ -6,7 +6,7 @@ Per publisher stream it keeps the last seq it yielded and:
   the live batch; what replay no longer holds becomes an `EventsLost(first, last)` item;
 - a restarted publisher: yields `PublisherRestarted`, then the new stream from seq 0, through
   replay where needed. A kvconnect publisher names itself in every replay terminator (its
-  `epoch`, see publisher.py), so a restart is seen whatever the seqs; a publisher that does not
+  `epoch`, see wire.py), so a restart is seen whatever the seqs; a publisher that does not
   (vLLM's) is taken to have restarted when its seq goes back;
 - `start_seq` (e.g. 0): catches up from that seq through replay as soon as the connection is
   up, so an idle publisher's history arrives without waiting for its next batch;
@@ -46,7 +46,7 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from kvconnect.events import EventDecodeError, KVEventBatch, decode_batch
-from kvconnect.publisher import END_SEQ, SNAPSHOT_REQUEST, PublisherStatus
+from kvconnect.stream.wire import END_SEQ, SNAPSHOT_REQUEST, PublisherStatus
 
 logger = logging.getLogger(__name__)
 
@@ -171,7 +171,7 @@ class KVEventSubscriber:
         self.endpoints = [endpoint] if isinstance(endpoint, str) else list(endpoint)
         if not self.endpoints:
             raise ValueError("endpoint: at least one endpoint is needed")
-        self._replay = self._check_replay(replay_endpoint)
+        self._replay_by_source, self._replay_by_rank = self._resolve_replay(replay_endpoint)
         if start_seq is not None and start_seq < 0:
             raise ValueError(f"start_seq must be >= 0, got {start_seq}")
         self._start_seq = start_seq
@@ -222,26 +222,29 @@ class KVEventSubscriber:
                 self._by_socket[sock] = (source, is_monitor)
                 self._poller.register(sock, zmq.POLLIN)
 
-    def _check_replay(self, replay: ReplayEndpoints) -> ReplayEndpoints:
-        if isinstance(replay, str) and len(self.endpoints) > 1:
-            raise ValueError("replay_endpoint: give one per endpoint (a list) or a rank mapping")
-        if (
-            isinstance(replay, Sequence)
-            and not isinstance(replay, str)
-            and len(replay) != len(self.endpoints)
-        ):
+    def _resolve_replay(
+        self, replay: ReplayEndpoints
+    ) -> tuple[list[str | None], Mapping[int, str] | None]:
+        """The replay address of each endpoint, or (bind layout) of each DP rank: the union
+        resolved once, so a gap looks its address up without dispatching on its type."""
+        if isinstance(replay, Mapping):
+            return [None] * len(self.endpoints), replay
+        if replay is None or isinstance(replay, str):
+            if isinstance(replay, str) and len(self.endpoints) > 1:
+                raise ValueError(
+                    "replay_endpoint: give one per endpoint (a list) or a rank mapping"
+                )
+            return [replay] * len(self.endpoints), None
+        if len(replay) != len(self.endpoints):
             raise ValueError(
                 f"replay_endpoint: {len(replay)} given for {len(self.endpoints)} endpoints"
             )
-        return replay
+        return list(replay), None
 
     def _replay_for(self, source: int, rank: int | None) -> str | None:
-        replay = self._replay
-        if replay is None or isinstance(replay, str):
-            return replay
-        if isinstance(replay, Mapping):
-            return replay.get(rank) if rank is not None else None
-        return replay[source]
+        if self._replay_by_rank is None:
+            return self._replay_by_source[source]
+        return self._replay_by_rank.get(rank) if rank is not None else None
 
     # -- reading ------------------------------------------------------------------------------
 

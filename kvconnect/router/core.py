@@ -1,0 +1,208 @@
+"""The router's state: its instances, the block index fed by their event streams, the choice.
+
+    Router(instances, index, tokenizer)   nothing runs yet
+    router.start()                        a thread follows every instance's stream (with
+                                          replay and snapshots) into the index, under `lock`
+    router.pick(tokens, exclude, salt)    the instance to send a request to (scored under the
+                                          same lock), or None when none is in rotation
+    router.check_cached(...)              an answer's own cached-token count against the index
+    router.close()                        stops the stream thread
+
+Each instance is registered once under one name (its URL), used by the index, the scorer,
+metrics and logs. The HTTP front (`server.py`) and the relay (`forward.py`) use this state; it
+starts no server and never imports torch.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections import Counter
+from dataclasses import dataclass
+
+from kvconnect.api.protocol import ApiError, ChatCompletionRequest, CompletionRequest
+from kvconnect.router.health import HealthChecker
+from kvconnect.router.index import BlockIndex, PrefixScore
+from kvconnect.router.scorer import DEFAULT_LOAD_WEIGHT, choose, spread_key
+from kvconnect.stream.subscriber import KVEventSubscriber, ReceivedBatch, StreamSnapshot
+from kvconnect.tokenizer import ChatTemplateError, Tokenizer
+
+logger = logging.getLogger(__name__)
+
+StaleCheck = tuple[list[int], str | None]
+"""(prompt token ids, cache salt): what to check an answer's cached tokens against."""
+
+
+@dataclass(frozen=True)
+class Instance:
+    """One engine instance behind the router. Its URL is its name everywhere: in the index,
+    the scorer, metrics and logs."""
+
+    url: str
+    events_endpoint: str
+    replay_endpoint: str | None = None
+
+    @property
+    def name(self) -> str:
+        return self.url
+
+    @classmethod
+    def parse(cls, spec: str) -> Instance:
+        """`URL,EVENTS_ENDPOINT[,REPLAY_ENDPOINT]`."""
+        parts = spec.split(",")
+        if (
+            len(parts) not in (2, 3)
+            or not parts[0].startswith(("http://", "https://"))
+            or not all(p.startswith(("tcp://", "ipc://", "inproc://")) for p in parts[1:])
+        ):
+            raise ValueError(
+                f"--instance {spec!r}: expected URL,EVENTS_ENDPOINT[,REPLAY_ENDPOINT] "
+                "(e.g. http://127.0.0.1:8001,tcp://127.0.0.1:18001,tcp://127.0.0.1:28001)"
+            )
+        return cls(parts[0].rstrip("/"), parts[1], parts[2] if len(parts) == 3 else None)
+
+
+class Router:
+    def __init__(
+        self,
+        instances: list[Instance],
+        index: BlockIndex,
+        tokenizer: Tokenizer,
+        load_weight: float = DEFAULT_LOAD_WEIGHT,
+    ) -> None:
+        if not instances:
+            raise ValueError("the router needs at least one --instance")
+        self.instances = instances
+        self.index = index
+        self.tokenizer = tokenizer
+        self.load_weight = load_weight
+        self.lock = threading.Lock()
+        self.in_flight: Counter[str] = Counter()
+        self.decisions: Counter[str] = Counter()
+        self.hit_blocks: Counter[str] = Counter()
+        self.failures: Counter[str] = Counter()
+        self._by_name = {i.name: i for i in instances}
+        if len(self._by_name) != len(instances):
+            raise ValueError("each --instance must have its own URL")
+        self.health = HealthChecker([i.name for i in instances])
+        for inst in instances:
+            index.add_instance(inst.name)
+        # The subscriber names a stream by the endpoint it reads; that maps to one instance.
+        self._name_by_endpoint = {i.events_endpoint: i.name for i in instances}
+        self.last_seq: dict[str, int] = {}
+        """Per instance, the seq of the last batch (or snapshot) its index state includes."""
+        self.subscriber: KVEventSubscriber | None = None
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> Router:
+        """Follow every instance's event stream on a thread of its own; returns self."""
+        if self._thread is not None:
+            raise RuntimeError("Router.start() called twice")
+        self.subscriber = KVEventSubscriber(
+            [i.events_endpoint for i in self.instances],
+            [i.replay_endpoint for i in self.instances],
+            start_seq=0,
+            snapshots=True,  # a router that (re)starts, or loses batches, gets the whole state
+        )
+        self._thread = threading.Thread(target=self._follow, name="router-events", daemon=True)
+        self._thread.start()
+        return self
+
+    def _follow(self) -> None:
+        assert self.subscriber is not None
+        for item in self.subscriber:
+            name = self._name_by_endpoint[item.stream.endpoint]
+            with self.lock:
+                self.index.apply_item(name, item)
+                if isinstance(item, ReceivedBatch | StreamSnapshot):
+                    self.last_seq[name] = item.seq
+
+    def close(self) -> None:
+        if self.subscriber is not None:
+            self.subscriber.close()
+        if self._thread is not None:
+            self._thread.join(timeout=2)
+
+    def scores(self, token_ids: list[int], cache_salt: str | None = None) -> dict[str, PrefixScore]:
+        """Per instance name, what it holds of the request's prefix."""
+        with self.lock:
+            return self.index.score(token_ids, cache_salt)
+
+    def pick(
+        self, token_ids: list[int], exclude: set[str], cache_salt: str | None = None
+    ) -> tuple[Instance, PrefixScore] | None:
+        """The instance in rotation (and not in `exclude`) to send the request to."""
+        names = [
+            i.name for i in self.instances if i.name not in exclude and self.health.is_up(i.name)
+        ]
+        if not names:
+            return None
+        with self.lock:  # one state for both
+            scores = self.index.score(token_ids, cache_salt)
+            num_blocks = self.index.num_blocks()
+        decision = choose(
+            names,
+            scores,
+            {n: self.in_flight[n] for n in names},
+            len(token_ids),
+            self.load_weight,
+            spread_key(token_ids),
+            num_blocks,
+        )
+        return self._by_name[decision.instance], decision.score
+
+    def mark_down(self, name: str, reason: str) -> None:
+        self.health.mark(name, False, reason)
+        self.failures[name] += 1
+
+    def record(self, name: str, score: PrefixScore) -> None:
+        """A request went to `name` with `score` of its prefix cached there."""
+        self.decisions[name] += 1
+        for tier, n in score.blocks_per_tier.items():
+            self.hit_blocks[tier] += n
+
+    def prompt_tokens(self, req: CompletionRequest | ChatCompletionRequest) -> list[int]:
+        """The tokens the engines will see first: a chat rendered with the chat template, or
+        the first prompt (a multi-prompt request goes where its first prompt is cached)."""
+        if isinstance(req, ChatCompletionRequest):
+            try:
+                text = self.tokenizer.apply_chat_template(
+                    req.conversation(), req.add_generation_prompt
+                )
+            except ChatTemplateError as e:
+                raise ApiError(str(e), "messages") from None
+            return self.tokenizer.encode(text)
+        first = req.prompts()[0]
+        return first if isinstance(first, list) else self.tokenizer.encode(first)
+
+    def check_cached(self, name: str, score: PrefixScore, check: StaleCheck, body: bytes) -> None:
+        """The instance's own count of cached prompt tokens against what the index credited
+        it: fewer means the index holds entries the instance no longer has
+        (`BlockIndex.mark_stale`)."""
+        try:
+            usage = json.loads(body).get("usage") or {}
+            cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+        except (ValueError, TypeError, AttributeError):
+            return
+        if cached < score.num_tokens:
+            with self.lock:
+                dropped = self.index.mark_stale(name, check[0], cached, check[1])
+            if dropped:
+                logger.info(
+                    "router: %s computed %d cached prompt tokens where the index said %d; "
+                    "dropped %d stale entries",
+                    name,
+                    cached,
+                    score.num_tokens,
+                    dropped,
+                )
+
+
+def stale_check(
+    req: CompletionRequest | ChatCompletionRequest, token_ids: list[int]
+) -> StaleCheck | None:
+    """A request whose usage speaks of one prompt (chat, or a single completion prompt)."""
+    if isinstance(req, CompletionRequest) and len(req.prompts()) != 1:
+        return None
+    return token_ids, req.cache_salt

@@ -1,0 +1,104 @@
+"""The router's state as Prometheus metrics (`GET /metrics`), read at scrape time."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from kvconnect.router.core import Router
+
+PREFIX = "kvconnect_router_"
+
+
+def _one(kind: type[Any], name: str, doc: str, value: float) -> Metric:
+    m: Metric = kind(PREFIX + name, doc)
+    m.add_metric([], value)  # type: ignore[attr-defined]
+    return m
+
+
+def _labelled(
+    kind: type[Any], name: str, doc: str, label: str, values: Mapping[str, float]
+) -> Metric:
+    m: Metric = kind(PREFIX + name, doc, labels=[label])
+    for key, value in sorted(values.items()):
+        m.add_metric([key], value)  # type: ignore[attr-defined]
+    return m
+
+
+class RouterMetrics(Collector):
+    """Index, stream, decision and health metrics of one `Router`."""
+
+    def __init__(self, router: Router) -> None:
+        self.router = router
+        self.registry = CollectorRegistry()
+        self.registry.register(self)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self._index_metrics()
+        yield from self._instance_metrics()
+
+    def _index_metrics(self) -> Iterator[Metric]:
+        r = self.router
+        with r.lock:
+            stats = r.index.stats
+            num_entries = r.index.num_entries
+            stale = sum(i.stale for i in r.index.instances.values())
+        sub = r.subscriber
+        C, G = CounterMetricFamily, GaugeMetricFamily
+        yield _one(G, "index_entries", "Block keys in the index.", num_entries)
+        for name, doc, value in (
+            ("events_applied", "KV events applied.", stats.events_applied),
+            ("batches_applied", "KV event batches applied.", stats.batches_applied),
+            ("instance_clears", "Times an instance's entries were dropped.", stats.clears),
+            ("publisher_restarts", "Publisher restarts seen.", stats.restarts),
+            ("event_gaps_lost", "Event gaps replay could not repair.", stats.gaps_lost),
+            ("snapshots", "Instance snapshots applied (at first contact, after a loss).",
+             stats.snapshots),
+            ("index_evictions", "Entries evicted by the index's cap.", stats.entries_evicted),
+            ("hash_mismatches", "Events contradicting their own token ids.", stats.hash_mismatches),
+            ("gaps_repaired", "Sequence gaps filled from replay.",
+             sub.num_gaps_repaired if sub else 0),
+            ("batches_lost", "Batches replay no longer held.", sub.num_batches_lost if sub else 0),
+        ):  # fmt: skip
+            yield _one(C, name, doc, value)
+        yield _one(G, "stale_instances", "Instances awaiting a resync.", stale)
+
+    def _instance_metrics(self) -> Iterator[Metric]:
+        r = self.router
+        with r.lock:
+            removed, stale = dict(r.index.stats.removed), dict(r.index.stats.stale)
+            schemes = r.index.schemes()
+        names = [i.name for i in r.instances]
+        C, G = CounterMetricFamily, GaugeMetricFamily
+        for kind, name, doc, label, values in (
+            (C, "decisions", "Requests sent to each instance.", "instance",
+             {n: r.decisions[n] for n in names}),
+            (C, "forward_failures", "Forwards refused by each instance.", "instance",
+             {n: r.failures[n] for n in names}),
+            (G, "in_flight", "Requests in flight per instance.", "instance",
+             {n: r.in_flight[n] for n in names}),
+            (G, "instance_up", "1 while an instance is in rotation.", "instance",
+             {n: float(r.health.is_up(n)) for n in names}),
+            (C, "hit_blocks", "Cached prefix blocks of routed requests, by tier.", "tier",
+             dict(r.hit_blocks)),
+            (C, "index_removed", "Index entries taken back by BlockRemoved events, by tier.",
+             "tier", removed),
+            (C, "index_stale", "Index entries found stale by a load miss (an instance computed "
+             "fewer cached tokens than the index credited it), by tier.", "tier", stale),
+        ):  # fmt: skip
+            yield _labelled(kind, name, doc, label, values)
+        info = GaugeMetricFamily(
+            PREFIX + "instance_hash_scheme",
+            "The hash scheme learned from each instance's stream (1 per instance).",
+            labels=["instance", "scheme", "block_size"],
+        )
+        for name, (scheme, block_size) in sorted(schemes.items()):
+            info.add_metric([name, scheme, str(block_size or 0)], 1)
+        yield info

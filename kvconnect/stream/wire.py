@@ -1,0 +1,67 @@
+"""What the publisher and the subscriber of a KV event stream both know: frames and constants.
+
+    live:    [topic, seq (8 bytes big-endian unsigned), payload]
+    replay:  request  [b"", start_seq (8 bytes)]           from a DEALER (a REQ adds the b"")
+             answer   [b"", topic, seq, payload] ...       every buffered batch >= start_seq
+                      [b"", STATUS, END_SEQ, b""]          END_SEQ = -1 as 8 signed bytes
+             snapshot [b"", SNAPSHOT_REQUEST]              (kvconnect's)
+             answer   [b"", topic, seq, payload] ...       BlockStored batches, seq = the fence
+                      [b"", STATUS, END_SEQ, b""]
+
+Everything but STATUS and SNAPSHOT_REQUEST is vLLM's. STATUS is the terminator's first frame,
+where vLLM sends an empty topic and vLLM readers look only at the last two frames, so
+kvconnect's publisher can name itself there (`PublisherStatus`) without breaking them.
+The subscriber imports this module, never the publisher.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+"""The seq frame of a replay answer's terminator."""
+SNAPSHOT_REQUEST = b"kvconnect snapshot"
+"""A replay request's last frame asking for the stream's full state instead of a replay."""
+_STATUS_PREFIX = b"kvconnect "
+
+
+def seq_frame(seq: int) -> bytes:
+    return seq.to_bytes(8, "big")
+
+
+@dataclass(frozen=True)
+class PublisherStatus:
+    """What a kvconnect publisher says about itself in a replay terminator."""
+
+    epoch: str
+    """Random per publisher: a different epoch on the same address is a restart."""
+    next_seq: int
+    """The seq its next batch will get."""
+
+    def encode(self) -> bytes:
+        return _STATUS_PREFIX + f"epoch={self.epoch} next_seq={self.next_seq}".encode()
+
+    @classmethod
+    def decode(cls, frame: bytes) -> PublisherStatus | None:
+        """The status in a terminator's first frame; None for any other frame (vLLM's b"")."""
+        if not frame.startswith(_STATUS_PREFIX):
+            return None
+        try:
+            fields_ = dict(p.split("=", 1) for p in frame[len(_STATUS_PREFIX) :].decode().split())
+            return cls(fields_["epoch"], int(fields_["next_seq"]))
+        except (ValueError, KeyError, UnicodeDecodeError):
+            return None
+
+
+def offset_endpoint(endpoint: str | None, data_parallel_rank: int) -> str | None:
+    """The endpoint of DP rank `data_parallel_rank`: tcp ports move up by the rank (port 0,
+    the OS's choice, stays), ipc and inproc names get `_dp<rank>` appended (vLLM rejects ipc
+    here; kvconnect does not)."""
+    if not endpoint or data_parallel_rank == 0:
+        return endpoint
+    if endpoint.startswith(("inproc://", "ipc://")):
+        return f"{endpoint}_dp{data_parallel_rank}"
+    if endpoint.startswith("tcp://"):
+        head, _, port = endpoint.rpartition(":")
+        return endpoint if int(port) == 0 else f"{head}:{int(port) + data_parallel_rank}"
+    raise ValueError(f"invalid endpoint {endpoint!r}: must be tcp://, ipc:// or inproc://")
