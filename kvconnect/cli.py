@@ -17,7 +17,7 @@ import argparse
 import logging
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TypeAlias
 
 from kvconnect import __version__
 
@@ -70,13 +70,21 @@ def port(text: str) -> int:
     return value
 
 
+Commands: TypeAlias = "argparse._SubParsersAction[Parser]"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="kvconnect", description=__doc__.split("\n\n")[0])
     parser.add_argument("--version", action="version", version=f"kvconnect {__version__}")
     common = Parser(add_help=False)
     common.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="log detail")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
+    for add in (_events_flags, _generate_flags, _serve_flags, _router_flags, _cluster_flags):
+        add(commands, common)
+    return parser
 
+
+def _events_flags(commands: Commands, common: Parser) -> None:
     events = commands.add_parser("events", help="KV cache event streams")
     actions = events.add_subparsers(dest="action", required=True, parser_class=Parser)
     t = actions.add_parser("tail", help="print a KV event stream", parents=[common])
@@ -106,25 +114,28 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--port", type=port, default=5557, help="PUB port; replay uses PORT+1")
     d.add_argument("--batches", type=positive_int, default=12, help="batches to publish")
 
-    def engine_flags(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--model", default="smollm2", help=MODEL_HELP)
-        p.add_argument(
-            "--tp",
-            "--tensor-parallel-size",
-            type=positive_int,
-            default=1,
-            dest="tp",
-            help="tensor-parallel worker processes",
-        )
-        p.add_argument("--block-size", type=positive_int, default=16, help="tokens per block")
-        p.add_argument("--num-kv-blocks", type=positive_int, default=1024, help="KV cache blocks")
-        p.add_argument("--max-model-len", type=positive_int, help="context length (default: all)")
-        p.add_argument("--hash-seed", help="block hash seed (default: vLLM's rule)")
-        p.add_argument("--kv-events-config", help="vLLM's KVEventsConfig JSON")
-        p.add_argument("--kv-transfer-config", help="vLLM's KVTransferConfig JSON")
 
+def _engine_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2", help=MODEL_HELP)
+    p.add_argument(
+        "--tp",
+        "--tensor-parallel-size",
+        type=positive_int,
+        default=1,
+        dest="tp",
+        help="tensor-parallel worker processes",
+    )
+    p.add_argument("--block-size", type=positive_int, default=16, help="tokens per block")
+    p.add_argument("--num-kv-blocks", type=positive_int, default=1024, help="KV cache blocks")
+    p.add_argument("--max-model-len", type=positive_int, help="context length (default: all)")
+    p.add_argument("--hash-seed", help="block hash seed (default: vLLM's rule)")
+    p.add_argument("--kv-events-config", help="vLLM's KVEventsConfig JSON")
+    p.add_argument("--kv-transfer-config", help="vLLM's KVTransferConfig JSON")
+
+
+def _generate_flags(commands: Commands, common: Parser) -> None:
     g = commands.add_parser("generate", help="run the engine on prompts", parents=[common])
-    engine_flags(g)
+    _engine_flags(g)
     g.add_argument("--prompt", action="append", required=True, help="repeat for a batch")
     g.add_argument("--max-tokens", type=positive_int, default=16, help="tokens per prompt")
     g.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
@@ -132,14 +143,18 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-prefix-caching", action="store_true", help="recompute every prompt")
     g.add_argument("--repeat", type=positive_int, default=1, help="run the batch this often")
 
+
+def _serve_flags(commands: Commands, common: Parser) -> None:
     s = commands.add_parser(
         "serve", help="one engine instance behind an OpenAI-compatible API", parents=[common]
     )
-    engine_flags(s)
+    _engine_flags(s)
     s.add_argument("--host", default="127.0.0.1", help="bind address")
     s.add_argument("--port", type=port, default=8000, help="HTTP port")
     s.add_argument("--served-model-name", help="the model's name in the API (default: --model)")
 
+
+def _router_flags(commands: Commands, common: Parser) -> None:
     r = commands.add_parser("router", help="KV-aware HTTP front of instances", parents=[common])
     r.add_argument(
         "--instance",
@@ -168,6 +183,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="weight of a cached block per medium, MEDIUM=W,...",
     )
 
+
+def _cluster_flags(commands: Commands, common: Parser) -> None:
     c = commands.add_parser(
         "cluster", help="N instances + router (+ redis) on loopback", parents=[common]
     )
@@ -178,29 +195,12 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--redis", action="store_true", help="start a shared Redis tier")
     c.add_argument("--demo-rounds", type=int, default=3, help="demo requests per tenant")
     c.add_argument("--exit-after-demo", action="store_true", help="stop after the demo")
-    return parser
 
 
 def _events(args: argparse.Namespace) -> int:
-    from kvconnect.commands.events import run_demo, tail
-    from kvconnect.stream.subscriber import KVEventSubscriber
+    from kvconnect.commands.events import run_events
 
-    if args.action == "demo":
-        run_demo(args.port, args.batches, sys.stdout)
-        return 0
-    replay: Any = args.replay
-    if replay is not None and len(replay) == 1 and len(args.endpoint) == 1:
-        replay = replay[0]
-    subscriber = KVEventSubscriber(
-        args.endpoint,
-        replay,
-        topic=args.topic,
-        bind=args.bind,
-        start_seq=args.from_seq,
-        snapshots=args.snapshot,
-    )
-    tail(subscriber, sys.stdout, args.json)
-    return 0
+    return run_events(args, sys.stdout)
 
 
 def _generate(args: argparse.Namespace) -> int:

@@ -7,6 +7,7 @@ prompts that share a prefix, and tails it, so the stream can be seen without an 
 
 from __future__ import annotations
 
+import argparse
 import json
 import random
 import threading
@@ -168,3 +169,22 @@ def run_demo(port: int, num_batches: int, out: TextIO) -> int:
     finally:
         feeder.join(timeout=5)
         publisher.shutdown()
+
+
+def run_events(args: argparse.Namespace, out: TextIO) -> int:
+    """`kvconnect events tail|demo`."""
+    if args.action == "demo":
+        return run_demo(args.port, args.batches, out)
+    replay: Any = args.replay
+    if replay is not None and len(replay) == 1 and len(args.endpoint) == 1:
+        replay = replay[0]
+    subscriber = KVEventSubscriber(
+        args.endpoint,
+        replay,
+        topic=args.topic,
+        bind=args.bind,
+        start_seq=args.from_seq,
+        snapshots=args.snapshot,
+    )
+    tail(subscriber, out, args.json)
+    return 0

@@ -22,10 +22,15 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 
-from kvconnect.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from kvconnect.events import (
+    MEDIUM_GPU,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVCacheEvent,
+)
 from kvconnect.hashing import ExtraKeys, to_wire
 
-MEDIUM_GPU = "GPU"
 GROUP_IDX = 0
 SPEC_KIND = "full_attention"
 

@@ -36,7 +36,10 @@ from collections.abc import Iterable, KeysView, Sequence
 from dataclasses import dataclass, field
 
 from kvconnect.events import (
+    MEDIUM_CPU,
+    MEDIUM_DISK,
     MEDIUM_EXTERNAL,
+    MEDIUM_GPU,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -62,7 +65,7 @@ from kvconnect.stream.subscriber import (
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_TIER_WEIGHTS = {"GPU": 1.0, "CPU": 0.8, "DISK": 0.5, "EXTERNAL": 0.3}
+DEFAULT_TIER_WEIGHTS = {MEDIUM_GPU: 1.0, MEDIUM_CPU: 0.8, MEDIUM_DISK: 0.5, MEDIUM_EXTERNAL: 0.3}
 
 Key = tuple[int, int, str]  # (instance slot, generation, medium)
 
@@ -216,70 +219,73 @@ class BlockIndex:
         stats = self.stats
         stats.batches_applied += 1
         stats.events_applied += len(batch.events)
-        entries = self._entries
-        move_to_end = entries.move_to_end
-        max_entries = self.max_entries
-        slot = inst.slot
-        by_slot = self._by_slot
         for event in batch.events:
             if isinstance(event, BlockStored):
-                if event.parent_block_hash is None and inst.router_keys is None:
-                    self._check_scheme(inst, event)
-                keys = event.block_hashes
-                if inst.router_keys is not None:
-                    keys = inst.router_keys.store(event)
-                key = (slot, inst.generation, event.medium or "GPU")
-                inst.num_blocks += len(keys)
-                for h in keys:
-                    holders = entries.get(h)
-                    if holders is None:
-                        entries[h] = key
-                        if len(entries) > max_entries:
-                            entries.popitem(last=False)
-                            stats.entries_evicted += 1
-                        continue
-                    move_to_end(h)
-                    if type(holders) is dict:
-                        holders[key] = holders.get(key, 0) + 1
-                    elif holders == key:
-                        entries[h] = {key: 2}
-                    elif by_slot[holders[0]].generation != holders[1]:  # type: ignore[index]
-                        entries[h] = key  # the one holder was of an old generation
-                    else:
-                        entries[h] = {holders: 1, key: 1}  # type: ignore[dict-item]
+                self._apply_stored(inst, event)
             elif isinstance(event, BlockRemoved):
-                medium = event.medium or "GPU"
-                key = (slot, inst.generation, medium)
-                router_keys = inst.router_keys
-                removed = 0
-                for h in event.block_hashes:
-                    mapped = h if router_keys is None else router_keys.remove(h)
-                    if mapped is None:
-                        continue
-                    holders = entries.get(mapped)
-                    if type(holders) is tuple:
-                        if holders == key:
-                            del entries[mapped]
-                            removed += 1
-                        else:
-                            stats.unmatched_removals += 1
-                        continue
-                    count = None if holders is None else holders.get(key)  # type: ignore[union-attr]
-                    if holders is None or count is None:
-                        stats.unmatched_removals += 1
-                    elif count > 1:
-                        holders[key] = count - 1  # type: ignore[index]
-                        removed += 1
-                    else:
-                        del holders[key]  # type: ignore[union-attr]
-                        removed += 1
-                        self._sweep(mapped, holders)  # type: ignore[arg-type]
-                if removed:
-                    stats.removed[medium] += removed
-                    inst.num_blocks -= removed
+                self._apply_removed(inst, event)
             elif isinstance(event, AllBlocksCleared):
                 self.clear_instance(instance)
                 inst.stale = False  # a full clear is a resync point
+
+    def _apply_stored(self, inst: _Instance, event: BlockStored) -> None:
+        if event.parent_block_hash is None and inst.router_keys is None:
+            self._check_scheme(inst, event)
+        keys = event.block_hashes
+        if inst.router_keys is not None:
+            keys = inst.router_keys.store(event)
+        entries, stats, by_slot = self._entries, self.stats, self._by_slot
+        move_to_end, max_entries = entries.move_to_end, self.max_entries
+        key = (inst.slot, inst.generation, event.medium or MEDIUM_GPU)
+        inst.num_blocks += len(keys)
+        for h in keys:
+            holders = entries.get(h)
+            if holders is None:
+                entries[h] = key
+                if len(entries) > max_entries:
+                    entries.popitem(last=False)
+                    stats.entries_evicted += 1
+                continue
+            move_to_end(h)
+            if type(holders) is dict:
+                holders[key] = holders.get(key, 0) + 1
+            elif holders == key:
+                entries[h] = {key: 2}
+            elif by_slot[holders[0]].generation != holders[1]:  # type: ignore[index]
+                entries[h] = key  # the one holder was of an old generation
+            else:
+                entries[h] = {holders: 1, key: 1}  # type: ignore[dict-item]
+
+    def _apply_removed(self, inst: _Instance, event: BlockRemoved) -> None:
+        medium = event.medium or MEDIUM_GPU
+        key = (inst.slot, inst.generation, medium)
+        entries, stats, router_keys = self._entries, self.stats, inst.router_keys
+        removed = 0
+        for h in event.block_hashes:
+            mapped = h if router_keys is None else router_keys.remove(h)
+            if mapped is None:
+                continue
+            holders = entries.get(mapped)
+            if type(holders) is tuple:
+                if holders == key:
+                    del entries[mapped]
+                    removed += 1
+                else:
+                    stats.unmatched_removals += 1
+                continue
+            count = None if holders is None else holders.get(key)  # type: ignore[union-attr]
+            if holders is None or count is None:
+                stats.unmatched_removals += 1
+            elif count > 1:
+                holders[key] = count - 1  # type: ignore[index]
+                removed += 1
+            else:
+                del holders[key]  # type: ignore[union-attr]
+                removed += 1
+                self._sweep(mapped, holders)  # type: ignore[arg-type]
+        if removed:
+            stats.removed[medium] += removed
+            inst.num_blocks -= removed
 
     def _sweep(self, h: ExternalBlockHash, holders: dict[Key, int]) -> None:
         """Drop holders of old generations; the entry itself when nobody is left, its one

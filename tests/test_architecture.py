@@ -1,0 +1,174 @@
+"""docs/architecture.md's module table and dependency rules, checked against the code.
+
+The table has one row per module: `| `path` | one concept | imports from kvconnect |`, the
+imports written as dotted paths below `kvconnect` (`stream.wire`, `events`), plus `vLLM` for
+a module that imports vLLM itself, or `nothing`. A module added, moved or rewired without
+its row fails here, so the map cannot drift from the code.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "kvconnect"
+DOC = ROOT / "docs" / "architecture.md"
+
+VOCABULARY = {"config", "hashing", "events", "messages", "model_source", "tokenizer"}
+ENGINE_MAY_IMPORT_FROM_CONNECTOR = {
+    "connector",  # the package itself re-exports base and registry only
+    "connector.base",
+    "connector.registry",
+    "connector.step",
+    "connector.aggregator",
+}
+
+
+def module_name(path: Path) -> str:
+    rel = path.relative_to(PACKAGE).with_suffix("")
+    parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
+    return ".".join(parts) or "__init__"
+
+
+def is_module(name: str) -> bool:
+    base = PACKAGE.joinpath(*name.split("."))
+    return base.with_suffix(".py").exists() or (base / "__init__.py").exists()
+
+
+def imports_of(path: Path) -> set[str]:
+    """kvconnect modules `path` imports anywhere in it (lazy imports too), and "vLLM"."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        names: list[str] = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module]
+            if node.module.startswith("kvconnect"):
+                names = [
+                    f"{node.module}.{a.name}"
+                    if is_module(f"{node.module}.{a.name}".removeprefix("kvconnect."))
+                    else node.module
+                    for a in node.names
+                ]
+        for name in names:
+            if name == "vllm" or name.startswith("vllm."):
+                found.add("vLLM")
+            elif name == "kvconnect":
+                found.add("__init__")
+            elif name.startswith("kvconnect."):
+                found.add(name.removeprefix("kvconnect."))
+    own = module_name(path)
+    found.discard(own)
+    return found
+
+
+def code_modules() -> dict[str, set[str]]:
+    """Every module with more than a docstring, by name, with its imports."""
+    result = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        body = [
+            n
+            for n in tree.body
+            if not (isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant))
+        ]
+        if body:
+            result[module_name(path)] = imports_of(path)
+    return result
+
+
+ROW = re.compile(r"^\| `([^`]+)` \| (.+?) \| (.+?) \|$")
+
+
+def doc_rows() -> dict[str, set[str]]:
+    rows: dict[str, set[str]] = {}
+    for line in DOC.read_text().splitlines():
+        m = ROW.match(line)
+        if m is None:
+            continue
+        path, _, imports = m.groups()
+        name = module_name(PACKAGE / path)
+        assert name not in rows, f"docs/architecture.md: two rows for {path}"
+        rows[name] = set() if imports == "nothing" else {i.strip() for i in imports.split(",")}
+    return rows
+
+
+def test_every_module_has_one_row_and_its_imports_are_the_codes() -> None:
+    code, doc = code_modules(), doc_rows()
+    assert sorted(set(code) - set(doc)) == [], "modules without a row in docs/architecture.md"
+    assert sorted(set(doc) - set(code)) == [], "rows in docs/architecture.md for no module"
+    wrong = {
+        name: (sorted(doc[name]), sorted(code[name])) for name in code if doc[name] != code[name]
+    }
+    assert wrong == {}, "rows whose imports differ: name: (doc, code)"
+
+
+def test_vocabulary_imports_only_vocabulary() -> None:
+    code = code_modules()
+    for name in VOCABULARY:
+        assert code[name] <= VOCABULARY, (name, code[name])
+
+
+def test_engine_knows_connectors_through_four_modules() -> None:
+    for name, imports in code_modules().items():
+        if name.startswith("engine."):
+            connector = {i for i in imports if i.split(".")[0] == "connector"}
+            assert connector <= ENGINE_MAY_IMPORT_FROM_CONNECTOR, (name, connector)
+
+
+def test_only_the_vllm_package_imports_vllm() -> None:
+    for name, imports in code_modules().items():
+        assert "vLLM" not in imports or name.startswith("vllm."), name
+
+
+def test_router_imports_the_vocabulary_stream_and_api_only() -> None:
+    allowed_roots = {"router", "stream", "api"}
+    for name, imports in code_modules().items():
+        if name.startswith("router."):
+            outside = {
+                i for i in imports if i not in VOCABULARY and i.split(".")[0] not in allowed_roots
+            }
+            assert outside == set(), (name, outside)
+
+
+def test_the_subscriber_never_imports_the_publisher() -> None:
+    code = code_modules()
+    assert not code["stream.subscriber"] & {"stream.publisher", "stream.replay"}
+
+
+def test_only_commands_start_servers_from_flags() -> None:
+    for name, imports in code_modules().items():
+        if not (name == "cli" or name.startswith("commands")):
+            assert not {i for i in imports if i.split(".")[0] == "commands"}, name
+
+
+def test_offload_halves_share_only_messages() -> None:
+    code = code_modules()
+    assert "connector.offload.worker" not in code["connector.offload.scheduler"]
+    assert "connector.offload.scheduler" not in code["connector.offload.worker"]
+
+
+def test_no_import_cycle() -> None:
+    code = code_modules()
+    graph = {n: {i for i in imps if i in code} for n, imps in code.items()}
+    state: dict[str, int] = {}
+
+    def visit(n: str, path: list[str]) -> None:
+        if state.get(n) == 2:
+            return
+        if state.get(n) == 1:
+            pytest.fail(f"import cycle: {' -> '.join([*path, n])}")
+        state[n] = 1
+        for m in sorted(graph[n]):
+            # a package's own __init__ importing its children is not a cycle back up
+            if not m.startswith(n + ".") and not (n.startswith(m + ".") and m != "__init__"):
+                visit(m, [*path, n])
+        state[n] = 2
+
+    for n in sorted(graph):
+        visit(n, [])
