@@ -11,14 +11,43 @@ While a request runs, its last `max(len(stop)) - 1` characters are held back fro
 they might yet become the start of a stop string, which the client must never see. A
 character that the tokenizer cannot complete yet (half a UTF-8 sequence, shown as U+FFFD) is
 held back too, and the holdback counts from before it.
+
+What a step hands out per request is a `RequestDelta` (`RequestState.take_delta`): the tokens
+and the text not handed out before, and how the request ended once it has. `request_output`
+joins a prompt's finished requests and their deltas into vLLM's `RequestOutput`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvconnect.engine.request import Request
+from kvconnect.engine.request import CompletionOutput, Request, RequestOutput
 from kvconnect.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True, slots=True)
+class RequestDelta:
+    """One request's progress since its previous delta (what `LLM.step()` returns)."""
+
+    request: Request
+    """The request itself, for its prompt and totals (read it; never change it)."""
+    token_ids: list[int]
+    """Output tokens new since the previous delta (all of them are final)."""
+    text: str
+    """Text new since the previous delta; held-back characters come in a later one."""
+    finish_reason: str | None = None
+    """Set on the request's last delta: "stop", "length", "abort" or "error"."""
+    stop_reason: str | int | None = None
+    """On the last delta: the stop string or stop token id that ended it, if one did."""
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def finished(self) -> bool:
+        """True on the request's last delta: no other follows."""
+        return self.finish_reason is not None
 
 
 @dataclass
@@ -30,11 +59,28 @@ class RequestState:
     """The output decoded so far, cut before a stop string that ended it."""
     num_sent: int = 0
     """Characters of `text` already handed out by `take_delta`."""
+    num_sent_tokens: int = 0
+    """Output tokens already handed out by `take_delta`."""
     stop_reason: str | int | None = None
     """The stop string (or stop token id) that ended the request; None otherwise."""
     _holdback: int = field(default=0, repr=False)
 
-    def take_delta(self) -> str:
+    def take_delta(self) -> RequestDelta | None:
+        """The tokens and text not handed out before, with the end once the request has
+        finished; None while it runs and nothing is new."""
+        req = self.request
+        token_ids = req.output_token_ids[self.num_sent_tokens :]
+        finished = req.status.is_finished
+        if not token_ids and not finished:
+            return None
+        self.num_sent_tokens += len(token_ids)
+        if not finished:
+            return RequestDelta(req, token_ids, self._take_text())
+        return RequestDelta(
+            req, token_ids, self._take_text(), req.status.finish_reason, self.stop_reason
+        )
+
+    def _take_text(self) -> str:
         """Text not handed out before that can no longer change or turn into a stop string."""
         end = len(self.text)
         if not self.request.status.is_finished:
@@ -77,3 +123,32 @@ class OutputProcessor:
             if last is not None and last in req.sampling_params.stop_token_ids:
                 state.stop_reason = last
         return False
+
+
+def request_output(
+    requests: list[Request], prompt: str | None, deltas: dict[str, list[RequestDelta]]
+) -> RequestOutput:
+    """One prompt's output from its n finished requests and the deltas each handed out."""
+    outputs = []
+    for j, r in enumerate(requests):
+        mine = deltas.get(r.request_id, [])
+        outputs.append(
+            CompletionOutput(
+                j,
+                "".join(d.text for d in mine),
+                list(r.output_token_ids),
+                r.status.finish_reason,
+                mine[-1].stop_reason if mine else None,
+            )
+        )
+    first = requests[0]
+    return RequestOutput(
+        request_id=first.request_id,
+        prompt=prompt,
+        prompt_token_ids=first.prompt_token_ids,
+        outputs=outputs,
+        finished=all(r.status.is_finished for r in requests),
+        num_cached_tokens=first.num_cached_tokens or 0,
+        num_external_tokens=first.num_external_tokens,
+        kv_transfer_params=first.kv_transfer_params,
+    )

@@ -1,14 +1,21 @@
 """The thread that owns an `LLM` for a server: takes requests, steps, hands back text.
 
     HTTP handlers --submit(Job)--> [queue] --> engine thread: add_request, step, step, ...
-                 <--job.updates (asyncio queue, via the event loop)-- each step's new text
+                 <--job.admitted, job.updates (via the event loop)-- the verdict on the job,
+                                                                     then each step's deltas
 
-The engine is single-threaded; only this thread touches it. A job that the engine refuses
-(a prompt too long, a token outside the vocabulary) fails alone: its handler gets the error and
-every other job goes on. A failure of the engine itself (a worker died or hung, a step raised)
-is fatal: every job gets the error, `error` is set (health turns 503), and `on_fatal` is called
-once so the server can exit: a supervisor restarts it, as with vLLM. While idle the thread also
-checks that the workers are alive, so a dead worker is noticed without traffic.
+The engine is single-threaded; only this thread touches it, and only through `LLM`'s own
+surface (add_request, step, abort, check_alive). What a front needs to know of the engine
+before it submits (the tokenizer, the limits) is `info`, fixed at start.
+
+Each job first hears whether the engine took it (`Job.admitted`): the engine checks its prompt
+there, once. A job that the engine refuses (a prompt too long, a token outside the
+vocabulary) fails alone with a 400: its handler gets the error and every other job goes on.
+Then each step's `RequestDelta` of the job's request becomes one `Update`. A failure of the
+engine itself (a worker died or hung, a step raised) is fatal: every job gets the error,
+`error` is set (health turns 503), and `on_fatal` is called once so the server can exit: a
+supervisor restarts it, as with vLLM. While idle the thread also checks that the workers are
+alive, so a dead worker is noticed without traffic.
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kvconnect.engine.llm import LLM
+from kvconnect.engine.llm import LLM, EngineInfo, RequestDelta
 from kvconnect.engine.request import Request, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -51,7 +58,11 @@ class Failed:
 
 @dataclass
 class Job:
-    """One completion choice: a prompt and its sampling, and where its updates go."""
+    """One completion choice: a prompt and its sampling, and where its results go.
+
+    `admitted` resolves first: None once the engine has taken the job, or the `Failed` that
+    also comes on `updates` when it never will. Results are set on `loop`, in order.
+    """
 
     prompt: list[int]
     params: SamplingParams
@@ -61,10 +72,28 @@ class Job:
     submitted: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
-    _sent_tokens: int = 0
+    admitted: asyncio.Future[Failed | None] = field(init=False)
+    aborted: bool = field(default=False, init=False)
+    """Set by `EngineLoop.abort`: a job not taken yet never reaches the engine."""
+
+    def __post_init__(self) -> None:
+        self.admitted = self.loop.create_future()
 
     def put(self, item: Update | Failed) -> None:
-        self.loop.call_soon_threadsafe(self.updates.put_nowait, item)
+        """Deliver `item` (from any thread); a failure before admission is its verdict too."""
+        self.loop.call_soon_threadsafe(self._deliver, item)
+
+    def admit(self) -> None:
+        """The engine has taken the job (from any thread)."""
+        self.loop.call_soon_threadsafe(self._settle, None)
+
+    def _deliver(self, item: Update | Failed) -> None:
+        self._settle(item if isinstance(item, Failed) else None)
+        self.updates.put_nowait(item)
+
+    def _settle(self, verdict: Failed | None) -> None:
+        if not self.admitted.done():
+            self.admitted.set_result(verdict)
 
 
 class EngineLoop:
@@ -74,10 +103,11 @@ class EngineLoop:
         on_fatal: Callable[[str], None] | None = None,
         on_finished: Callable[[Job, Request], None] | None = None,
     ) -> None:
-        self.llm = llm
+        self.info: EngineInfo = llm.info
         self.on_fatal = on_fatal
         self.on_finished = on_finished
         self.error: str | None = None
+        self._llm = llm
         self._incoming: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
         self._aborts: queue.SimpleQueue[str] = queue.SimpleQueue()
         self._active: dict[str, Job] = {}
@@ -89,13 +119,23 @@ class EngineLoop:
         return len(self._active)
 
     def submit(self, job: Job) -> None:
+        """Queue `job` for the engine (`RuntimeError` once the engine has failed); its
+        verdict comes on `job.admitted`."""
         if self.error is not None:
             raise RuntimeError(self.error)
         self._incoming.put(job)
+        self._fail_if_dead(job)
 
-    def abort(self, request_id: str) -> None:
+    def _fail_if_dead(self, job: Job) -> None:
+        """If the engine failed while `job` was being queued, `_fatal` may have drained the
+        queue before it: fail it here (a second `Failed` is harmless, consumers stop at one)."""
+        if self.error is not None:
+            job.put(Failed(self.error, 503))
+
+    def abort(self, job: Job) -> None:
         """The client went away: stop generating for it (ignored once it finished)."""
-        self._aborts.put(request_id)
+        job.aborted = True  # before the id: the engine thread reads the flag when it takes it
+        self._aborts.put(job.request_id)
 
     def stop(self, timeout: float = 10.0) -> None:
         self._incoming.put(None)
@@ -104,74 +144,76 @@ class EngineLoop:
     # -- the engine thread --------------------------------------------------------------------
 
     def _run(self) -> None:
-        llm, sched = self.llm, self.llm.scheduler
         try:
-            while True:
-                self._take_aborts()
-                busy = sched.has_unfinished_requests or sched.has_pending_transfers
-                try:
-                    if busy:  # take every waiting job before the next step
-                        job = self._incoming.get_nowait()
-                    else:
-                        job = self._incoming.get(timeout=IDLE_CHECK_S)
-                except queue.Empty:
-                    if not busy:
-                        llm.executor.check_alive()
-                        # Idle with a connector: step anyway, so that stores finishing in
-                        # the background are reported and published without new traffic.
-                        if llm.connector is None:
-                            continue
-                else:
-                    if job is None:
-                        return
-                    self._take(job)
-                    continue
-                llm.step()
-                self._push()
+            while self._turn():
+                pass
         except Exception as e:  # the engine is gone: everyone hears it, the server exits
             self._fatal(f"the engine failed: {type(e).__name__}: {e}")
 
+    def _turn(self) -> bool:
+        """Aborts, then one incoming job or one step; False once asked to stop."""
+        llm = self._llm
+        self._take_aborts()
+        busy = llm.has_unfinished_requests or llm.has_pending_transfers
+        try:
+            # Busy: take every waiting job before the next step. Idle: wait, a while.
+            job = self._incoming.get(block=not busy, timeout=IDLE_CHECK_S)
+        except queue.Empty:
+            if not busy:
+                llm.check_alive()
+                # Idle with a connector: step anyway, so that stores finishing in the
+                # background are reported and published without new traffic.
+                if not llm.needs_idle_steps:
+                    return True
+        else:
+            if job is None:
+                return False
+            self._take(job)
+            return True
+        self._route(llm.step())
+        return True
+
     def _take_aborts(self) -> None:
+        gone = []
         while True:
             try:
                 request_id = self._aborts.get_nowait()
             except queue.Empty:
-                return
+                break
             if self._active.pop(request_id, None) is not None:
-                self.llm.scheduler.abort_request(request_id)
-                self.llm.release(request_id)
+                gone.append(request_id)
+        if gone:
+            self._llm.abort(gone)
 
     def _take(self, job: Job) -> None:
+        if job.aborted:
+            return  # its client left before the engine took it
         try:
-            self.llm.add_request(
+            self._llm.add_request(
                 job.prompt, job.params, request_id=job.request_id, cache_salt=job.cache_salt
             )
         except (ValueError, TypeError) as e:
             job.put(Failed(str(e), 400))
             return
         self._active[job.request_id] = job
+        job.admit()
 
-    def _push(self) -> None:
-        llm = self.llm
-        for request_id, job in list(self._active.items()):
-            state = llm.output_state(request_id)
-            req = state.request
-            new_tokens = req.output_token_ids[job._sent_tokens :]
-            done = req.status.is_finished
-            if not new_tokens and not done:
-                continue
-            if new_tokens and job.first_token_at is None:
+    def _route(self, deltas: list[RequestDelta]) -> None:
+        """Each delta to its job; a finished one ends the job."""
+        for delta in deltas:
+            job = self._active.get(delta.request_id)
+            if job is None:
+                continue  # none expected: an aborted request is gone from the engine too
+            if delta.token_ids and job.first_token_at is None:
                 job.first_token_at = time.monotonic()
-            job._sent_tokens = len(req.output_token_ids)
-            update = Update(state.take_delta(), new_tokens)
-            if done:
-                update.finish_reason = req.status.finish_reason
-                update.stop_reason = state.stop_reason
-                update.request = req
-                del self._active[request_id]
-                llm.release(request_id)
+            update = Update(delta.text, delta.token_ids)
+            if delta.finished:
+                update.finish_reason = delta.finish_reason
+                update.stop_reason = delta.stop_reason
+                update.request = delta.request
+                del self._active[delta.request_id]
                 if self.on_finished is not None:
-                    self.on_finished(job, req)
+                    self.on_finished(job, delta.request)
             job.put(update)
 
     def _fatal(self, message: str) -> None:

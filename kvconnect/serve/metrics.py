@@ -13,26 +13,27 @@
     kvconnect_connector_<stat>                                     the connector's own stats
 
 Every metric has vLLM's `model_name` label. Counters are updated by the engine thread as
-requests finish; gauges are read from the engine when scraped.
+requests finish; the engine's gauges and totals come from one `EngineStats` snapshot
+(`LLM.stats`) taken when scraped.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from kvconnect.engine.llm import LLM
+from kvconnect.engine.llm import EngineStats
 from kvconnect.engine.request import Request
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80)
 
 
 class ServeMetrics:
-    def __init__(self, llm: LLM, model_name: str) -> None:
+    def __init__(self, model_name: str, engine_stats: Callable[[], EngineStats]) -> None:
+        """`engine_stats` is asked at every scrape, on a thread of its own."""
         self.registry = CollectorRegistry()
         self.model_name = model_name
         labels = ["model_name"]
@@ -68,7 +69,7 @@ class ServeMetrics:
             buckets=LATENCY_BUCKETS,
             registry=self.registry,
         )
-        self.registry.register(_EngineGauges(llm, model_name))
+        self.registry.register(_EngineGauges(engine_stats, model_name))
 
     def finished(self, request: Request, ttft: float | None, e2e: float) -> None:
         """A request finished (called on the engine thread)."""
@@ -88,14 +89,14 @@ class ServeMetrics:
 
 
 class _EngineGauges(Collector):
-    """What the engine holds now, read at scrape time."""
+    """What the engine holds now, and its totals, read at scrape time."""
 
-    def __init__(self, llm: LLM, model_name: str) -> None:
-        self.llm = llm
+    def __init__(self, engine_stats: Callable[[], EngineStats], model_name: str) -> None:
+        self.engine_stats = engine_stats
         self.model_name = model_name
 
     def collect(self) -> Iterator[Metric]:
-        sched, labels = self.llm.scheduler, [self.model_name]
+        stats, labels = self.engine_stats(), [self.model_name]
 
         def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
             g = GaugeMetricFamily(name, doc, labels=["model_name"])
@@ -107,29 +108,31 @@ class _EngineGauges(Collector):
             c.add_metric(labels, value)
             return c
 
-        yield gauge("vllm:num_requests_running", "Requests running.", len(sched.running))
-        yield gauge("vllm:num_requests_waiting", "Requests waiting.", len(sched.waiting))
-        yield gauge("vllm:kv_cache_usage_perc", "KV cache blocks in use (0-1).", sched.pool.usage)
-        yield counter(
-            "kvconnect_preemptions", "Requests preempted for blocks.", sched.stats.num_preemptions
+        yield gauge("vllm:num_requests_running", "Requests running.", stats.num_running)
+        yield gauge("vllm:num_requests_waiting", "Requests waiting.", stats.num_waiting)
+        yield gauge(
+            "vllm:kv_cache_usage_perc", "KV cache blocks in use (0-1).", stats.kv_cache_usage
         )
         yield counter(
-            "kvconnect_kv_events", "KV cache events published.", sched.stats.num_events_published
+            "kvconnect_preemptions", "Requests preempted for blocks.", stats.num_preemptions
         )
-        pub: Any = self.llm.publisher
-        for name, doc in (
-            ("num_published", "KV event batches published."),
-            ("num_dropped", "KV event batches not sent live (queue full; replayable)."),
-        ):
-            if hasattr(pub, name):
-                yield counter(f"kvconnect_kv_event_batches_{name[4:]}", doc, getattr(pub, name))
-        if hasattr(pub, "num_subscriptions"):
-            yield gauge(
-                "kvconnect_kv_event_subscriptions",
-                "Subscriptions of the live KV event stream.",
-                pub.num_subscriptions,
-            )
-        stats = sched.connector_stats
-        for key, value in sorted((stats.reduce() if stats is not None else {}).items()):
-            if isinstance(value, int | float):
-                yield counter(f"kvconnect_connector_{key}", f"Connector stat {key}.", value)
+        yield counter(
+            "kvconnect_kv_events", "KV cache events published.", stats.num_events_published
+        )
+        yield counter(
+            "kvconnect_kv_event_batches_published",
+            "KV event batches published.",
+            stats.num_event_batches_published,
+        )
+        yield counter(
+            "kvconnect_kv_event_batches_dropped",
+            "KV event batches not sent live (queue full; replayable).",
+            stats.num_event_batches_dropped,
+        )
+        yield gauge(
+            "kvconnect_kv_event_subscriptions",
+            "Subscriptions of the live KV event stream.",
+            stats.num_event_subscriptions,
+        )
+        for key, value in stats.connector.items():
+            yield counter(f"kvconnect_connector_{key}", f"Connector stat {key}.", value)

@@ -7,13 +7,15 @@
                                 sampling fields; streamed as deltas when asked
     GET  /v1/models             the one model served
     GET  /health                200 while the engine runs, 503 once it failed
-    GET  /metrics               Prometheus (see serve_metrics.py)
+    GET  /metrics               Prometheus (see metrics.py)
 
-Every request is validated (`api/protocol.py`) and checked against the engine's limits before
-it reaches the engine; a bad one is a 400 in OpenAI's error body. The engine runs on its own
-thread (`engine_loop.py`); when it fails the server answers 503, logs one line and exits with
-status 1, so that a supervisor restarts it. Binds 127.0.0.1 unless told otherwise; one access
-log line per request.
+Every request is validated here (`api/protocol.py`) and tokenized; the engine checks each
+prompt against its limits, once, when it takes the job, and the server answers only after
+that verdict: a prompt the engine cannot run is a 400 in OpenAI's error body, never a stream
+that starts and then fails. The engine runs on its own thread (`engine_loop.py`), and the
+server knows it only through that loop (`EngineLoop.info`: tokenizer, limits). When the engine
+fails the server answers 503, logs one line and exits with status 1, so that a supervisor
+restarts it. Binds 127.0.0.1 unless told otherwise; one access log line per request.
 """
 
 from __future__ import annotations
@@ -52,12 +54,18 @@ class Prepared:
 
     prompts: list[list[int]]
     jobs: list[list[Job]]  # per prompt, its n choices
+    param: str
+    """The request field the prompts came from, named in a refusal."""
+
+    @property
+    def all_jobs(self) -> list[Job]:
+        return [job for choices in self.jobs for job in choices]
 
 
 class OpenAIServer:
-    def __init__(self, engine: EngineLoop, llm: LLM, model_name: str, metrics: ServeMetrics):
+    def __init__(self, engine: EngineLoop, model_name: str, metrics: ServeMetrics):
         self.engine = engine
-        self.llm = llm
+        self.info = engine.info
         self.model_name = model_name
         self.metrics = metrics
 
@@ -75,9 +83,9 @@ class OpenAIServer:
     def _prepare(
         self, req: CompletionRequest | ChatCompletionRequest, loop: asyncio.AbstractEventLoop
     ) -> Prepared:
-        """Tokenize (rendering a chat), check against the engine's limits, build the jobs.
-        Runs on a worker thread: a huge prompt must not stall the event loop."""
-        tok = self.llm.tokenizer
+        """Tokenize (rendering a chat) and build the jobs; the engine checks the prompts when
+        it takes them. Runs on a worker thread: a huge prompt must not stall the event loop."""
+        tok = self.info.tokenizer
         if isinstance(req, ChatCompletionRequest):
             try:
                 text = tok.apply_chat_template(req.conversation(), req.add_generation_prompt)
@@ -91,22 +99,18 @@ class OpenAIServer:
         jobs = []
         for tokens in prompts:
             max_tokens = self._max_tokens(req, len(tokens))
-            try:
-                self.llm.check_prompt(tokens, max_tokens)
-            except ValueError as e:
-                raise ApiError(str(e), param) from None
             jobs.append(
                 [
                     Job(tokens, self._params(req, max_tokens, j), loop, cache_salt=req.cache_salt)
                     for j in range(req.n)
                 ]
             )
-        return Prepared(prompts, jobs)
+        return Prepared(prompts, jobs, param)
 
     def _max_tokens(self, req: CompletionRequest | ChatCompletionRequest, num_prompt: int) -> int:
         if isinstance(req, ChatCompletionRequest):
             given = req.completion_tokens
-            return given if given is not None else max(1, self.llm.max_model_len - num_prompt)
+            return given if given is not None else max(1, self.info.max_model_len - num_prompt)
         return req.max_tokens
 
     @staticmethod
@@ -142,15 +146,12 @@ class OpenAIServer:
             prepared = await asyncio.to_thread(self._prepare, req, loop)
         except ApiError as e:
             return error_response(e)
-        jobs = [job for choices in prepared.jobs for job in choices]
+        jobs = prepared.all_jobs
         try:
-            for job in jobs:
-                self.engine.submit(job)
-        except RuntimeError as e:
-            self._abort(jobs)
-            return error_response(ApiError(str(e), status=503, type_="service_unavailable"))
-        envelope = Envelope(chat=chat, model=self.model_name)
-        try:
+            refused = await self._submit(jobs)
+            if refused is not None:
+                return error_response(_failure(refused, prepared.param))
+            envelope = Envelope(chat=chat, model=self.model_name)
             if req.stream:
                 return await self._stream(
                     http, envelope, prepared, req.include_usage, req.return_token_ids
@@ -159,9 +160,24 @@ class OpenAIServer:
         finally:
             self._abort(jobs)  # what is still running when the client is gone or on error
 
+    async def _submit(self, jobs: list[Job]) -> Failed | None:
+        """Hand every job to the engine and wait for its verdicts: None once it has taken
+        them all, else the first refusal (the engine is gone: 503; a prompt it cannot run:
+        400)."""
+        try:
+            for job in jobs:
+                self.engine.submit(job)
+        except RuntimeError as e:
+            return Failed(str(e), 503)
+        for job in jobs:
+            verdict = await job.admitted
+            if verdict is not None:
+                return verdict
+        return None
+
     def _abort(self, jobs: list[Job]) -> None:
         for job in jobs:
-            self.engine.abort(job.request_id)
+            self.engine.abort(job)
 
     async def _collect(
         self, envelope: Envelope, prepared: Prepared, return_ids: bool
@@ -201,7 +217,7 @@ class OpenAIServer:
         )
         await response.prepare(http)
         merged: asyncio.Queue[tuple[int, Update | Failed]] = asyncio.Queue()
-        jobs = [job for choices in prepared.jobs for job in choices]
+        jobs = prepared.all_jobs
 
         async def forward(index: int, job: Job) -> None:
             while True:
@@ -258,7 +274,7 @@ class OpenAIServer:
                         "object": "model",
                         "created": 0,
                         "owned_by": "kvconnect",
-                        "max_model_len": self.llm.max_model_len,
+                        "max_model_len": self.info.max_model_len,
                     }
                 ],
             }
@@ -274,9 +290,9 @@ class OpenAIServer:
         return web.Response(body=text, content_type="text/plain", charset="utf-8")
 
 
-def _failure(update: Failed) -> ApiError:
+def _failure(update: Failed, param: str | None = None) -> ApiError:
     if update.status == 400:
-        return ApiError(update.message)
+        return ApiError(update.message, param)
     return ApiError(update.message, status=update.status, type_="service_unavailable")
 
 
@@ -315,16 +331,14 @@ async def _serve(llm: LLM, host: str, port: int, model_name: str, ready: str) ->
         exit_code = 1
         loop.call_soon_threadsafe(stop.set)
 
-    metrics = ServeMetrics(llm, model_name)
+    metrics = ServeMetrics(model_name, llm.stats)
 
     def finished(job: Job, request: Request) -> None:
         ttft = None if job.first_token_at is None else job.first_token_at - job.submitted
         metrics.finished(request, ttft, time.monotonic() - job.submitted)
 
     engine = EngineLoop(llm, on_fatal=fatal, on_finished=finished)
-    runner = web.AppRunner(
-        make_app(OpenAIServer(engine, llm, model_name, metrics)), access_log=None
-    )
+    runner = web.AppRunner(make_app(OpenAIServer(engine, model_name, metrics)), access_log=None)
     await runner.setup()
     try:
         await web.TCPSite(runner, host, port, shutdown_timeout=5).start()

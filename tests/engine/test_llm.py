@@ -10,6 +10,7 @@ import tempfile
 import time
 from collections import Counter
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ import torch
 
 from kvconnect import LLM, SamplingParams
 from kvconnect.engine.executor import EngineDeadError
+from kvconnect.engine.request import RequestStatus
 from kvconnect.events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvconnect.hashing import to_wire
 from kvconnect.model.config import TINY
@@ -107,6 +109,79 @@ def test_seeded_sampling_is_reproducible_across_tp() -> None:
             runs.append([o.outputs[0].token_ids for o in llm.generate(PROMPTS[1:], params)])
     assert runs[0] == runs[1]
     assert runs[0][0] != dense_reference([PROMPTS[1]], 12)[0]  # not greedy
+
+
+def assert_nothing_held(llm: LLM) -> None:
+    """The no-leak ending: no request holds a block, every block is free (or cached and free)."""
+    llm.scheduler.check_integrity()
+    pool = llm.scheduler.pool
+    assert llm.scheduler.kv_cache_manager.num_requests == 0
+    assert pool.num_free_blocks == pool.num_blocks
+    assert not llm.has_unfinished_requests and not llm.has_pending_transfers
+
+
+def test_step_returns_each_requests_new_tokens_and_text_then_its_end() -> None:
+    greedy = SamplingParams(max_tokens=4, ignore_eos=True)
+    with LLM("tiny", num_kv_blocks=64) as llm:
+        (whole,) = llm.generate(["Hello"], greedy)
+        # The tiny model's greedy bytes: 199 and 208 start UTF-8 sequences that never
+        # complete, 148 continues none; each decodes to U+FFFD once it cannot change.
+        assert whole.outputs[0].token_ids == [199, 116, 148, 208]
+        assert whole.outputs[0].text == "\ufffdt\ufffd\ufffd"
+        a = llm.add_request("Hello", greedy).request_id
+        b = llm.add_request("Hello", replace(greedy, stop=("t",))).request_id
+        steps = [
+            [(d.request_id, d.token_ids, d.text, d.finish_reason, d.stop_reason) for d in step]
+            for step in (llm.step() for _ in range(4))
+        ]
+        assert steps == [
+            [(a, [199], "", None, None), (b, [199], "", None, None)],  # half a character
+            [(a, [116], "\ufffdt", None, None), (b, [116], "\ufffd", "stop", "t")],
+            [(a, [148], "", None, None)],  # b's delta was its last; a's byte may yet complete
+            [(a, [208], "\ufffd\ufffd", "length", None)],  # the end: everything is final
+        ]
+        assert llm.step() == []
+        assert_nothing_held(llm)
+
+
+def test_an_aborted_request_is_never_reported_again_and_its_blocks_come_back() -> None:
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    with LLM("tiny", num_kv_blocks=64) as llm:
+        keep = llm.add_request("Hello", params)
+        gone = llm.add_request(list(range(40)), params)  # 3 blocks of 16
+        assert [d.request_id for d in llm.step()] == [keep.request_id, gone.request_id]
+        stats = llm.stats()
+        assert (stats.num_running, stats.num_waiting, stats.kv_cache_usage) == (2, 0, 4 / 64)
+        llm.abort([gone.request_id, "no such request"])
+        assert gone.status is RequestStatus.FINISHED_ABORTED
+        assert llm.stats().kv_cache_usage == 1 / 64
+        second, third = llm.step(), llm.step()
+        assert [(d.request_id, d.finish_reason) for d in second + third] == [
+            (keep.request_id, None),
+            (keep.request_id, "length"),
+        ]
+        llm.abort([keep.request_id])  # finished: nothing to do
+        assert keep.status is RequestStatus.FINISHED_LENGTH
+        assert llm.step() == []
+        assert_nothing_held(llm)
+
+
+def test_check_alive_notices_a_dead_worker_fails_every_request_and_shuts_down() -> None:
+    llm = LLM("tiny")
+    llm.check_alive()  # all well: nothing happens
+    waiting = llm.add_request("Hello", SamplingParams(max_tokens=4))
+    (pid,) = llm.executor.worker_pids
+    assert pid is not None
+    os.kill(pid, signal.SIGKILL)
+    start = time.monotonic()
+    with pytest.raises(EngineDeadError, match="worker 0 died"):
+        while time.monotonic() - start < 10:  # until the exit is seen
+            llm.check_alive()
+            time.sleep(0.01)
+    assert waiting.status is RequestStatus.FINISHED_ERROR and not llm.has_unfinished_requests
+    assert llm.executor.worker_pids == []  # shut down, nothing left running
+    with pytest.raises(EngineDeadError):
+        llm.check_alive()  # and it stays dead
 
 
 @pytest.fixture

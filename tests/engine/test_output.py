@@ -26,7 +26,10 @@ def run(tokens: list[int], stop: tuple[str, ...] = ()) -> tuple[RequestState, li
             req.status = RequestStatus.FINISHED_STOPPED
         elif (status := req.check_stop()) is not None:
             req.status = status
-        deltas.append(state.take_delta())
+        delta = state.take_delta()
+        assert delta is not None and delta.token_ids == [t]  # every step brings its token
+        assert delta.finished == req.status.is_finished
+        deltas.append(delta.text)
         if req.status.is_finished:
             break
     return state, deltas

@@ -45,6 +45,8 @@ def test_a_request_the_engine_refuses_fails_alone() -> None:
         assert "999" in refused.message
         assert isinstance(done, Update) and done.request is not None
         assert len(done.request.output_token_ids) == 8
+        assert good.admitted.result() is None  # each job heard the verdict first
+        assert bad.admitted.result() is refused
         after = Job(list(b"again"), SamplingParams(max_tokens=2), loop)
         engine.submit(after)
         assert isinstance(await outcome(after), Update)
@@ -52,6 +54,28 @@ def test_a_request_the_engine_refuses_fails_alone() -> None:
     try:
         asyncio.run(run())
         assert not fatal and engine.error is None and engine.num_active == 0
+    finally:
+        engine.stop()
+        llm.shutdown()
+
+
+def test_a_job_aborted_before_the_engine_takes_it_never_runs() -> None:
+    llm = LLM("tiny")
+    engine = EngineLoop(llm)
+
+    async def run() -> None:
+        loop = asyncio.get_running_loop()
+        left = Job(list(b"gone"), SamplingParams(max_tokens=8000, ignore_eos=True), loop)
+        engine.abort(left)  # the abort is seen first, as when its client leaves at once
+        engine.submit(left)
+        after = Job(list(b"next"), SamplingParams(max_tokens=2, ignore_eos=True), loop)
+        engine.submit(after)  # taken after `left` (one queue)
+        assert isinstance(await outcome(after), Update)
+        assert not left.admitted.done() and left.updates.empty()
+
+    try:
+        asyncio.run(run())
+        assert engine.num_active == 0 and not llm.has_unfinished_requests
     finally:
         engine.stop()
         llm.shutdown()

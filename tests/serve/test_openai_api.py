@@ -161,7 +161,12 @@ def test_errors_are_openai_errors(client: openai.OpenAI) -> None:
     max_model_len = client.models.list().data[0].max_model_len  # type: ignore[attr-defined]
     with pytest.raises(openai.BadRequestError) as long:
         client.completions.create(model="tiny", prompt="x" * max_model_len, max_tokens=4)
-    assert "context" in long.value.message
+    assert "context" in long.value.message and long.value.body["param"] == "prompt"  # type: ignore[index]
+    with pytest.raises(openai.BadRequestError) as streamed:  # a 400, not a stream that fails
+        client.completions.create(
+            model="tiny", prompt="x" * max_model_len, max_tokens=4, stream=True
+        )
+    assert "context" in streamed.value.message
 
 
 def test_a_wrong_model_is_a_404(served: tuple[Serve, RouterProcess]) -> None:
