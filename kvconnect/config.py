@@ -4,8 +4,8 @@
 `--kv-transfer-config`: same field names, same defaults, with two deliberate differences: with
 no endpoint given, events bind loopback (vLLM binds every interface), and `bind` may force
 binding or connecting. Both are built with `from_json` /
-`from_dict`; an unknown key is a `ValueError` that lists the valid ones, and every invalid
-value is a `ValueError` naming the field and the value.
+`from_dict` (both from `JsonConfig`); an unknown key is a `ValueError` that lists the valid
+ones, and every invalid value is a `ValueError` naming the field and the value.
 
 This module imports nothing from the rest of the package.
 """
@@ -17,7 +17,7 @@ import json
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Self
+from typing import Any, ClassVar, Self
 
 ENDPOINT_SCHEMES = ("tcp://", "ipc://", "inproc://")
 DEFAULT_EVENTS_ENDPOINT = "tcp://127.0.0.1:5557"
@@ -33,25 +33,38 @@ def _fail(cls_name: str, field_name: str, value: object, why: str) -> ValueError
     return ValueError(f"{cls_name}.{field_name}={value!r}: {why}")
 
 
-def _from_dict(cls: type[Any], data: Mapping[str, Any]) -> Any:
-    if not isinstance(data, Mapping):
-        raise ValueError(f"{cls.__name__} expects a JSON object, got {type(data).__name__}")
-    valid = [f.name for f in dataclasses.fields(cls)]
-    unknown = sorted(set(data) - set(valid))
-    if unknown:
-        raise ValueError(
-            f"{cls.__name__}: unknown key(s) {', '.join(map(repr, unknown))}; "
-            f"valid keys are: {', '.join(valid)}"
-        )
-    return cls(**data)
+class JsonConfig:
+    """What every config dataclass here has: built from the JSON object (or a mapping) vLLM
+    takes for it, with an unknown key a `ValueError` that lists the valid ones, and back."""
 
+    __dataclass_fields__: ClassVar[dict[str, dataclasses.Field[Any]]]
+    """Set by @dataclass on the config class (declared so the type checker knows it is one)."""
 
-def _from_json(cls: type[Any], text: str) -> Any:
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{cls.__name__}: not valid JSON ({e}): {text!r}") from e
-    return _from_dict(cls, data)
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Self:
+        """Build from a mapping with vLLM's keys; unknown keys are an error."""
+        if not isinstance(data, Mapping):
+            raise ValueError(f"{cls.__name__} expects a JSON object, got {type(data).__name__}")
+        valid = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(data) - set(valid))
+        if unknown:
+            raise ValueError(
+                f"{cls.__name__}: unknown key(s) {', '.join(map(repr, unknown))}; "
+                f"valid keys are: {', '.join(valid)}"
+            )
+        return cls(**data)
+
+    @classmethod
+    def from_json(cls, text: str) -> Self:
+        """Build from the JSON string given to vLLM's flag for this config."""
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{cls.__name__}: not valid JSON ({e}): {text!r}") from e
+        return cls.from_dict(data)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
 
 
 def _check_int(cls_name: str, name: str, value: object, minimum: int) -> None:
@@ -75,7 +88,7 @@ def check_endpoint(cls_name: str, name: str, value: object) -> None:
 
 
 @dataclass(frozen=True)
-class KVEventsConfig:
+class KVEventsConfig(JsonConfig):
     """KV cache event publishing, with vLLM's `KVEventsConfig` fields and defaults."""
 
     enable_kv_cache_events: bool = False
@@ -146,27 +159,12 @@ class KVEventsConfig:
         """Whether the publisher binds `endpoint` (else it connects to it)."""
         return vllm_binds(self.endpoint) if self.bind is None else self.bind
 
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> Self:
-        """Build from a mapping with vLLM's keys; unknown keys are an error."""
-        result: Self = _from_dict(cls, data)
-        return result
-
-    @classmethod
-    def from_json(cls, text: str) -> Self:
-        """Build from the JSON string given to vLLM's `--kv-events-config`."""
-        result: Self = _from_json(cls, text)
-        return result
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
 
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
 
 
 @dataclass(frozen=True)
-class KVTransferConfig:
+class KVTransferConfig(JsonConfig):
     """Which KV connector the engine runs, with vLLM's `--kv-transfer-config` JSON names."""
 
     kv_connector: str | None = None
@@ -254,18 +252,3 @@ class KVTransferConfig:
     def get_from_extra_config(self, key: str, default: Any) -> Any:
         """A connector setting from `kv_connector_extra_config`, or `default`."""
         return self.kv_connector_extra_config.get(key, default)
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> Self:
-        """Build from a mapping with vLLM's keys; unknown keys are an error."""
-        result: Self = _from_dict(cls, data)
-        return result
-
-    @classmethod
-    def from_json(cls, text: str) -> Self:
-        """Build from the JSON string given to vLLM's `--kv-transfer-config`."""
-        result: Self = _from_json(cls, text)
-        return result
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)

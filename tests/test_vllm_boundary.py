@@ -1,11 +1,37 @@
 """kvconnect without vLLM: nothing outside `kvconnect.vllm` imports vLLM, and the plugin
-package itself imports nothing from vLLM until vLLM asks for its connector."""
+package itself imports nothing from vLLM until vLLM asks for its connector; and what the plugin
+relies on across the boundary: the offload connector's halves build the engine's own metadata
+types, with every field of kvconnect's step metadata in them."""
 
+import dataclasses
 import pkgutil
 import subprocess
 import sys
+import time
+from typing import Any
+
+import torch
 
 import kvconnect
+from kvconnect.commands.redis_server import LocalRedis
+from kvconnect.config import KVTransferConfig
+from kvconnect.connector.base import KVConnectorContext
+from kvconnect.connector.offload.common import (
+    OffloadConfig,
+    OffloadMetadata,
+    OffloadWorkerMetadata,
+)
+from kvconnect.connector.offload.scheduler import OffloadScheduler
+from kvconnect.connector.offload.worker import OffloadWorker
+from kvconnect.events import MEDIUM_CPU, MEDIUM_EXTERNAL, BlockRemoved, BlockStored, KVCacheEvent
+from kvconnect.hashing import block_hashes
+from kvconnect.messages import (
+    KVConnectorOutput,
+    NewRequestData,
+    ScheduledRequest,
+    SchedulerOutput,
+)
+from tests.connector.helpers import roundtrip
 
 
 def test_no_module_outside_kvconnect_vllm_imports_vllm() -> None:
@@ -35,3 +61,148 @@ def test_the_plugin_package_and_hook_module_import_without_vllm() -> None:
         "    raise AssertionError('vLLM is not installed here')\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# -- the step metadata across the boundary ------------------------------------------------------
+# The vLLM plugin gives both halves vLLM's own metadata types (kvconnect/vllm/adapter.py:
+# OffloadMetadataForVllm, OffloadWorkerMetadataForVllm), and the halves build those directly.
+# Here an engine of our own stands in for vLLM, with its own bases, as the plugin does.
+
+BS, CHUNK = 4, 8
+
+
+class EngineStepBase:
+    """An engine's own base of the step metadata (vLLM: KVConnectorMetadata)."""
+
+
+class EngineWorkerBase:
+    """An engine's own base of the workers' metadata (vLLM: KVConnectorWorkerMetadata)."""
+
+
+class EngineMetadata(OffloadMetadata, EngineStepBase):
+    """What the plugin's OffloadMetadataForVllm is: kvconnect's fields, the engine's type."""
+
+
+class EngineWorkerMetadata(OffloadWorkerMetadata, EngineWorkerBase):
+    """What the plugin's OffloadWorkerMetadataForVllm is."""
+
+
+def new_requests(*requests: tuple[str, list[int]]) -> SchedulerOutput:
+    """A step that computes each request's whole prompt (blocks 0.. of the request)."""
+    out = SchedulerOutput()
+    for rid, tokens in requests:
+        ids = list(range(-(-len(tokens) // BS)))
+        out.scheduled_new_reqs.append(NewRequestData(rid, tokens, block_hashes(tokens, BS), ids))
+        out.scheduled.append(ScheduledRequest(rid, tokens, 0, ids, sample=True))
+    return out
+
+
+class Req:
+    """What the scheduler half reads of a waiting request."""
+
+    def __init__(self, rid: str, tokens: list[int]) -> None:
+        self.request_id, self.all_token_ids = rid, tokens
+        self.block_hashes = block_hashes(tokens, BS)
+        self.cache_salt = None
+
+
+class Halves:
+    """The offload connector's two halves built with the engine's metadata classes (one TP
+    rank), driven in the engine's step order; every metadata crosses by pickle, as vLLM
+    sends it to and from its worker processes."""
+
+    def __init__(self, tiers: list[dict[str, Any]]) -> None:
+        context = KVConnectorContext(KVTransferConfig(), block_size=BS, model_name="m")
+        config = OffloadConfig.from_extra_config({"chunk_size": CHUNK, "tiers": tiers}, BS)
+        self.scheduler = OffloadScheduler(context, config, EngineMetadata)
+        self.worker = OffloadWorker(context, config, EngineWorkerMetadata)
+        self.worker.register_kv_caches({"layer0": torch.randn(2, 16, BS, 2, 4)})
+        self.events: list[KVCacheEvent] = []
+
+    def step(self, out: SchedulerOutput | None = None) -> OffloadMetadata:
+        meta = roundtrip(self.scheduler.build_connector_meta(out or SchedulerOutput()))
+        self.worker.start_load_kv(meta)
+        self.worker.wait_for_save(meta)
+        assert self.worker.drain()
+        reported = roundtrip(self.worker.build_connector_worker_meta())
+        assert reported is None or type(reported) is EngineWorkerMetadata
+        self.scheduler.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=reported))
+        self.events += self.scheduler.take_events()
+        return meta
+
+    def count(self, kind: type[KVCacheEvent], medium: str) -> int:
+        return sum(isinstance(e, kind) and e.medium == medium for e in self.events)
+
+    def step_until_redis_drops_one(self) -> None:
+        """Idle steps until the scheduler announced that Redis dropped a chunk (its ttl)."""
+        deadline = time.monotonic() + 10
+        while not self.count(BlockRemoved, MEDIUM_EXTERNAL):
+            assert time.monotonic() < deadline, "redis never expired the chunk"
+            time.sleep(0.02)
+            self.step()
+
+    def close(self) -> None:
+        self.worker.shutdown()
+        self.scheduler.shutdown()
+
+
+def test_every_field_of_the_step_metadata_reaches_the_worker_in_the_engines_type(
+    fresh_redis: LocalRedis,
+) -> None:
+    a, c = list(range(9)), list(range(50, 59))  # one whole chunk each
+    halves = Halves(
+        [
+            {"kind": "cpu", "max_bytes": 1 << 20},
+            {"kind": "redis", "url": fresh_redis.url, "ttl_s": 0.2},
+        ]
+    )
+    try:
+        halves.step(new_requests(("a", a)))
+        assert (
+            halves.count(BlockStored, MEDIUM_CPU) == halves.count(BlockStored, MEDIUM_EXTERNAL) == 1
+        )
+        halves.step_until_redis_drops_one()
+        # One step with all of it: a load (b finds a's chunk in the cpu tier), a save (c's
+        # chunk), a reset, and the chunk Redis dropped.
+        b = Req("b", a)
+        sched = halves.scheduler
+        assert sched.get_num_new_matched_tokens(b, 0) == (CHUNK, True)
+        sched.update_state_after_alloc(b, [7, 8, 9], CHUNK)
+        assert sched.reset_cache()
+        meta = roundtrip(sched.build_connector_meta(new_requests(("c", c))))
+        assert type(meta) is EngineMetadata
+        assert meta.shared_gone == [block_hashes(a, BS)[1]]
+        assert meta.reset is True
+        assert [(s.request_id, s.block_ids, s.first_block) for s in meta.loads] == [
+            ("b", [[7, 8]], [0])
+        ]
+        assert [(s.chunk.last_block_hash, s.block_ids) for s in meta.saves] == [
+            (block_hashes(c, BS)[1], [0, 1])
+        ]
+        # Every field is set here, so one the engine's type dropped would show (a field added
+        # later must be set above too).
+        empty = OffloadMetadata()
+        unset = [
+            f.name
+            for f in dataclasses.fields(OffloadMetadata)
+            if getattr(meta, f.name) == getattr(empty, f.name)
+        ]
+        assert unset == []
+    finally:
+        halves.close()
+
+
+def test_a_chunk_redis_dropped_is_written_again_by_its_next_save(fresh_redis: LocalRedis) -> None:
+    """The worker learns from the step metadata's `shared_gone` that Redis no longer holds a
+    chunk it wrote; without it, the worker would skip the chunk as written, for good."""
+    a = list(range(9))
+    halves = Halves([{"kind": "redis", "url": fresh_redis.url, "ttl_s": 0.2}])
+    try:
+        halves.step(new_requests(("a", a)))
+        assert halves.count(BlockStored, MEDIUM_EXTERNAL) == 1
+        halves.step_until_redis_drops_one()
+        meta = halves.step(new_requests(("a2", a)))
+        assert meta.shared_gone == [block_hashes(a, BS)[1]] and len(meta.saves) == 1
+        assert halves.count(BlockStored, MEDIUM_EXTERNAL) == 2  # written and announced again
+    finally:
+        halves.close()

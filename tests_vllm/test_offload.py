@@ -14,7 +14,9 @@ same answer.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import pickle
 import random
 import re
 import threading
@@ -26,6 +28,7 @@ from typing import Any
 import pytest
 
 from kvconnect.commands.redis_server import LocalRedis
+from kvconnect.connector.offload.common import OffloadMetadata, OffloadWorkerMetadata
 from kvconnect.events import BlockRemoved, BlockStored, KVCacheEvent
 from kvconnect.stream.subscriber import KVEventSubscriber, ReceivedBatch
 from tests_vllm.conftest import VllmServer, post_json, start_router
@@ -309,3 +312,26 @@ def test_with_redis_killed_every_request_completes_with_the_same_answer(
     for server in (b, a):
         for seed in (4, 5):  # 4: in redis, never seen by b; 5: new
             assert complete(server, prompt(seed))[0] == complete(plain, prompt(seed))[0]
+
+
+def test_the_plugins_metadata_types_are_vllms_and_carry_every_field_of_kvconnects() -> None:
+    """The halves build these (their `metadata_class`): vLLM sees its own types, the workers
+    every field the scheduler half set (tests/test_vllm_boundary.py drives the halves)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+        KVConnectorMetadata,
+        KVConnectorWorkerMetadata,
+    )
+
+    from kvconnect.vllm.adapter import OffloadMetadataForVllm, OffloadWorkerMetadataForVllm
+
+    meta = OffloadMetadataForVllm(reset=True, shared_gone=[b"gone"])
+    assert isinstance(meta, KVConnectorMetadata) and isinstance(meta, OffloadMetadata)
+    assert [f.name for f in dataclasses.fields(meta)] == [
+        f.name for f in dataclasses.fields(OffloadMetadata)
+    ]
+    assert pickle.loads(pickle.dumps(meta)) == meta  # as vLLM sends it to its workers
+    worker = OffloadWorkerMetadataForVllm({0: []}, {0: 1})
+    assert isinstance(worker, KVConnectorWorkerMetadata)
+    assert isinstance(worker, OffloadWorkerMetadata)
+    folded = worker.aggregate(OffloadWorkerMetadataForVllm({1: []}, {1: 0}))
+    assert type(folded) is OffloadWorkerMetadataForVllm and folded.pending_io == {0: 1, 1: 0}

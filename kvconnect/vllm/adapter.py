@@ -9,8 +9,9 @@
                                           block tables, new requests' tokens and hashes)
     KVConnectorOutput               ->    kvconnect KVConnectorOutput
     kvconnect events                ->    vLLM's BlockStored / BlockRemoved / AllBlocksCleared
-    kvconnect stats, worker meta    ->    subclasses of vLLM's KVConnectorStats and
-                                          KVConnectorWorkerMetadata
+    kvconnect step and worker meta  ->    classes that are both kvconnect's and vLLM's type
+                                          (the halves build them: no field is copied)
+    kvconnect stats                 ->    a subclass of vLLM's KVConnectorStats
 
 Block hashes are vLLM's own (`Request.block_hashes`): kvconnect never re-hashes a vLLM
 request, so chunk keys and events agree with vLLM's prefix cache whatever its hash settings.
@@ -26,6 +27,9 @@ import vllm
 import vllm.envs
 from vllm.distributed import kv_events as vllm_events
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorMetadata as VllmMetadata,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole as VllmRole,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -40,7 +44,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 
 from kvconnect.config import KVTransferConfig
 from kvconnect.connector.base import KVConnectorContext
-from kvconnect.connector.offload.common import OffloadWorkerMetadata
+from kvconnect.connector.offload.common import OffloadMetadata, OffloadWorkerMetadata
 from kvconnect.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from kvconnect.messages import (
     KVConnectorOutput,
@@ -186,8 +190,14 @@ def to_vllm_event(event: KVCacheEvent) -> Any:
     return cls(**fields)
 
 
+class OffloadMetadataForVllm(OffloadMetadata, VllmMetadata):
+    """kvconnect's step metadata, every field of it, as vLLM's type: the scheduler half
+    builds it (its `metadata_class`), so nothing is copied between the two."""
+
+
 class OffloadWorkerMetadataForVllm(OffloadWorkerMetadata, VllmWorkerMetadata):
-    """kvconnect's worker metadata (events per rank, pending I/O), as vLLM's type."""
+    """kvconnect's worker metadata (events per rank, pending I/O), as vLLM's type: the
+    worker half builds it (its `metadata_class`)."""
 
 
 class OffloadStats(VllmStats):

@@ -36,11 +36,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvconnect.connector.offload.common import OffloadConfig, OffloadMetadata
+from kvconnect.connector.offload.common import OffloadConfig
 from kvconnect.connector.offload.connector import OffloadHalves
+from kvconnect.connector.offload.kinds import TierKind
 from kvconnect.connector.offload.scheduler import OffloadScheduler
 from kvconnect.connector.offload.worker import OffloadWorker
 from kvconnect.vllm.adapter import (
+    OffloadMetadataForVllm,
     OffloadPromMetrics,
     OffloadStats,
     OffloadWorkerMetadataForVllm,
@@ -69,9 +71,9 @@ def _log_like_vllm() -> None:
 _log_like_vllm()
 
 _HIT_SOURCES = {
-    "cpu": CacheHitSource.HOST,
-    "disk": CacheHitSource.DISK,
-    "redis": CacheHitSource.EXTERNAL_UNSPECIFIED,
+    TierKind.CPU: CacheHitSource.HOST,
+    TierKind.DISK: CacheHitSource.DISK,
+    TierKind.REDIS: CacheHitSource.EXTERNAL_UNSPECIFIED,
 }
 
 
@@ -97,10 +99,9 @@ class OffloadConnector(OffloadHalves, KVConnectorBase_V1):
                     'set "kv_load_failure_policy": "recompute" to recompute it instead',
                     vllm_config.kv_transfer_config.kv_load_failure_policy,
                 )
-            self.scheduler = OffloadScheduler(context, self.config)
+            self.scheduler = OffloadScheduler(context, self.config, OffloadMetadataForVllm)
         else:
-            self.worker = OffloadWorker(context, self.config)
-            self.worker.metadata_class = OffloadWorkerMetadataForVllm
+            self.worker = OffloadWorker(context, self.config, OffloadWorkerMetadataForVllm)
         logger.info(
             "kvconnect OffloadConnector (%s, rank %d of %d): chunk %d tokens, tiers %s",
             role.name.lower(),
@@ -154,7 +155,8 @@ class OffloadConnector(OffloadHalves, KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output_: Any) -> KVConnectorMetadata:
         out = scheduler_output(scheduler_output_, self._requests, self._kv_cache_manager)
         meta = self._sched().build_connector_meta(out)
-        return _VllmMetadata.wrap(meta)
+        assert isinstance(meta, KVConnectorMetadata)  # built as OffloadMetadataForVllm
+        return meta
 
     def update_connector_output(self, connector_output_: Any) -> None:
         self._loading -= connector_output_.finished_recving or set()
@@ -176,11 +178,3 @@ class OffloadConnector(OffloadHalves, KVConnectorBase_V1):
 
     def reset_cache(self) -> bool | None:
         return self._sched().reset_cache()
-
-
-class _VllmMetadata(OffloadMetadata, KVConnectorMetadata):
-    """kvconnect's step metadata (saves, loads, reset) as vLLM's type."""
-
-    @classmethod
-    def wrap(cls, meta: OffloadMetadata) -> _VllmMetadata:
-        return cls(saves=meta.saves, loads=meta.loads, reset=meta.reset)

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from kvconnect.connector.offload.common import ChunkInfo, TierConfig
+from kvconnect.connector.offload.kinds import TierKind
 from kvconnect.connector.offload.tiers.base import TierError, TierPlacement
 from kvconnect.connector.offload.tiers.disk import SUFFIX, DiskTier
 
@@ -121,9 +122,11 @@ def test_an_unsafe_root_is_refused_with_a_clear_error(tmp_path: Path) -> None:
         DiskTier(str(open_root), BUDGET)
     placement = TierPlacement(1, 0)
     with pytest.raises(ValueError, match="writable by every user and not sticky"):
-        DiskTier.from_config(TierConfig("disk", path=str(open_root)), placement)
+        DiskTier.from_config(TierConfig(TierKind.DISK, path=str(open_root)), placement)
     open_root.chmod(0o1777)  # sticky, like /tmp: the rank's own directory is safe in it
-    DiskTier.from_config(TierConfig("disk", path=str(open_root)), placement).check_integrity()
+    DiskTier.from_config(
+        TierConfig(TierKind.DISK, path=str(open_root)), placement
+    ).check_integrity()
     mine = tmp_path / "mine"
     DiskTier(str(mine), BUDGET)
     assert (mine.stat().st_mode & 0o777) == 0o700  # created owner-only

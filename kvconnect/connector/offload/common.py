@@ -9,33 +9,45 @@ chunk's last block, so the same prefix finds the same entries across requests an
     key     "<model>/<world_size>/<rank>/<hex hash of block 15>"         (then block 31, ...)
 
 Chunk data on a rank: [num_layers, 2 (K, V), chunk_size, kv_heads / tp, head_dim].
+
+Settings are msgspec structs: each field declares its type and bounds, so msgspec checks them
+(no coercion: "256" is not a chunk size, true is not a byte count); `__post_init__` checks the
+rules that join fields. Every error is a `ValueError` naming the field.
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any
+
+import msgspec
 
 from kvconnect.connector.events import KVEventsWorkerMetadata
+from kvconnect.connector.offload.kinds import KIND_NAMES, TierKind
 from kvconnect.events import ExternalBlockHash
 from kvconnect.messages import KVConnectorMetadata, KVConnectorWorkerMetadata
 
-TIER_KINDS = ("cpu", "disk", "redis")
 GROUP_IDX, SPEC_KIND = 0, "full_attention"
 """What the connector's events say of the KV cache group: a model with one kind of attention."""
 
+Positive = Annotated[int, msgspec.Meta(ge=1)]
+Seconds = Annotated[float, msgspec.Meta(gt=0)]
+REDIS_OPTIONS = frozenset({"ttl_s", "watch", "cluster"})
 
-@dataclass(frozen=True)
-class TierConfig:
-    kind: str
-    """"cpu", "disk" or "redis"."""
-    max_bytes: int = 1 << 30
+
+class TierConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One entry of `kv_connector_extra_config["tiers"]`."""
+
+    kind: TierKind
+    """cpu, disk or redis (see kinds.py)."""
+    max_bytes: Positive = 1 << 30
     """Byte budget (cpu, disk); the least recently used chunks leave first."""
     path: str = ""
     """Directory of the disk tier."""
     url: str = ""
     """Redis URL: redis://[:password@]host:port/db, or rediss:// for TLS."""
-    ttl_s: float | None = None
+    ttl_s: Seconds | None = None
     """Redis: entries expire this many seconds after they are written (None: never)."""
     watch: bool = True
     """Redis: follow the server's keyspace notifications, so that what Redis evicts or
@@ -43,82 +55,80 @@ class TierConfig:
     cluster: bool = False
     """Redis: `url` is any node of a Redis Cluster (or Valkey cluster)."""
 
+    def __post_init__(self) -> None:
+        # `==`, not `is`: a TierConfig built in code may name its kind by the plain string.
+        if self.kind == TierKind.DISK and not self.path:
+            raise ValueError("the disk tier needs a path")
+        if self.kind == TierKind.REDIS and not self.url:
+            raise ValueError("the redis tier needs a url")
 
-@dataclass(frozen=True)
-class OffloadConfig:
-    block_size: int
+
+class OffloadConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The connector's `kv_connector_extra_config`, with the engine's block size."""
+
+    block_size: Positive
     """The engine's KV block size, in tokens."""
-    chunk_size: int = 256
+    chunk_size: Positive = 256
     """Tokens per stored chunk; a multiple of the engine's block size."""
     tiers: tuple[TierConfig, ...] = ()
     """Lookup order. Stores go to the first local tier (cpu, disk), whose evictions demote to
     the next local tier, and to every redis tier (shared, write-through)."""
-    max_pending_stores: int = 64
+    max_pending_stores: Positive = 64
     """Chunks waiting for the I/O thread; a store that finds the queue full is dropped and
     counted, so a step never waits for storage."""
-    max_pending_steps: int = 64
+    max_pending_steps: Positive = 64
     """Steps an event may wait for the other ranks before it is dropped (see EventQuorum)."""
+
+    def __post_init__(self) -> None:
+        if self.chunk_size < self.block_size or self.chunk_size % self.block_size:
+            raise ValueError(
+                f"chunk_size={self.chunk_size!r} must be a multiple of the block size "
+                f"{self.block_size}"
+            )
+        if not self.tiers:
+            raise ValueError("kv_connector_extra_config['tiers'] is empty")
 
     @property
     def blocks_per_chunk(self) -> int:
         return self.chunk_size // self.block_size
 
     @classmethod
-    def from_extra_config(cls, extra: dict[str, Any], block_size: int) -> OffloadConfig:
-        known = {"chunk_size", "tiers", "max_pending_stores", "max_pending_steps"}
-        unknown = sorted(set(extra) - known)
-        if unknown:
-            raise ValueError(
-                f"OffloadConnector: unknown kv_connector_extra_config key(s) {unknown}; valid: "
-                f"{', '.join(sorted(known))}"
-            )
-        chunk = extra.get("chunk_size", 256)
-        if not isinstance(chunk, int) or chunk < block_size or chunk % block_size:
-            raise ValueError(
-                f"OffloadConnector: chunk_size={chunk!r} must be a multiple of the block size "
-                f"{block_size}"
-            )
-        tiers = []
-        for i, raw in enumerate(extra.get("tiers", [])):
-            if not isinstance(raw, dict) or raw.get("kind") not in TIER_KINDS:
-                raise ValueError(
-                    f"OffloadConnector: tiers[{i}]={raw!r}: needs kind in {', '.join(TIER_KINDS)}"
-                )
-            valid = {"kind", "max_bytes", "path", "url", "ttl_s", "watch", "cluster"}
-            if set(raw) - valid:
-                raise ValueError(
-                    f"OffloadConnector: tiers[{i}] keys {sorted(set(raw) - valid)}"
-                    f" unknown; valid: {', '.join(sorted(valid))}"
-                )
-            tier = TierConfig(**raw)
-            if tier.kind == "disk" and not tier.path:
-                raise ValueError(f"OffloadConnector: tiers[{i}] (disk) needs a path")
-            if tier.kind == "redis" and not tier.url:
-                raise ValueError(f"OffloadConnector: tiers[{i}] (redis) needs a url")
-            if tier.max_bytes <= 0:
-                raise ValueError(f"OffloadConnector: tiers[{i}] max_bytes must be > 0")
-            if tier.kind != "redis" and ({"ttl_s", "watch", "cluster"} & set(raw)):
-                raise ValueError(
-                    f"OffloadConnector: tiers[{i}]: ttl_s, watch and cluster are redis options"
-                )
-            if tier.ttl_s is not None and (
-                not isinstance(tier.ttl_s, int | float)
-                or isinstance(tier.ttl_s, bool)
-                or tier.ttl_s <= 0
-            ):
-                raise ValueError(f"OffloadConnector: tiers[{i}] ttl_s={tier.ttl_s!r} must be > 0")
-            for flag in ("watch", "cluster"):
-                if not isinstance(getattr(tier, flag), bool):
-                    raise ValueError(f"OffloadConnector: tiers[{i}] {flag} must be true or false")
-            tiers.append(tier)
-        if not tiers:
-            raise ValueError("OffloadConnector: kv_connector_extra_config['tiers'] is empty")
-        return cls(
-            block_size,
-            chunk,
-            tuple(tiers),
-            extra.get("max_pending_stores", 64),
-            extra.get("max_pending_steps", 64),
+    def from_extra_config(cls, extra: Mapping[str, Any], block_size: int) -> OffloadConfig:
+        """The settings in a `kv_connector_extra_config`, for an engine of `block_size`;
+        `ValueError` naming the key or field that is wrong."""
+        valid = [name for name in cls.__struct_fields__ if name != "block_size"]
+        _check_keys("kv_connector_extra_config", extra, valid)
+        tiers = extra.get("tiers", [])
+        for i, raw in enumerate(tiers if isinstance(tiers, list) else []):
+            _check_tier_keys(i, raw)
+        try:
+            return msgspec.convert({**extra, "block_size": block_size}, cls)
+        except msgspec.ValidationError as e:
+            # msgspec names the field by its path from the root: `$.tiers[0].max_bytes`.
+            raise ValueError(f"OffloadConnector: {e}".replace("`$.", "`")) from None
+
+
+def _check_keys(where: str, given: Collection[str], valid: Collection[str]) -> None:
+    """`ValueError` listing the valid keys if `given` holds another one (msgspec would name
+    only the first unknown key, without the choices)."""
+    unknown = sorted(set(given) - set(valid))
+    if unknown:
+        raise ValueError(
+            f"OffloadConnector: unknown {where} key(s) {unknown}; valid: {', '.join(sorted(valid))}"
+        )
+
+
+def _check_tier_keys(i: int, raw: object) -> None:
+    """What a tier's declared fields cannot say: the kinds to choose from, and that the redis
+    options are for redis only (given at all, even at their defaults)."""
+    if not isinstance(raw, dict) or raw.get("kind") not in KIND_NAMES:
+        raise ValueError(
+            f"OffloadConnector: tiers[{i}]={raw!r}: needs kind in {', '.join(KIND_NAMES)}"
+        )
+    _check_keys(f"tiers[{i}]", raw, TierConfig.__struct_fields__)
+    if raw["kind"] != TierKind.REDIS and REDIS_OPTIONS & set(raw):
+        raise ValueError(
+            f"OffloadConnector: tiers[{i}]: {', '.join(sorted(REDIS_OPTIONS))} are redis options"
         )
 
 

@@ -15,7 +15,6 @@ the step thread (`lookup.PrefixLookup`): the request waits a step for the answer
 
 from __future__ import annotations
 
-import logging
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -37,18 +36,9 @@ from kvconnect.connector.offload.common import (
     chunk_key,
 )
 from kvconnect.connector.offload.lookup import PrefixLookup
-from kvconnect.connector.offload.tiers import TierPlacement, create_tier, tier_class
-from kvconnect.connector.offload.tiers.redis_watch import RedisWatcher
-from kvconnect.events import (
-    MEDIUM_EXTERNAL,
-    AllBlocksCleared,
-    BlockRemoved,
-    BlockStored,
-    KVCacheEvent,
-)
+from kvconnect.connector.offload.tiers import RemovalWatcher, TierPlacement, create_tier
+from kvconnect.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from kvconnect.hashing import request_extra_keys, to_event, to_wire
-
-logger = logging.getLogger(__name__)
 
 MAX_UNCONFIRMED = 1 << 16
 """Saved chunks whose shared store is not yet confirmed, remembered for the watcher."""
@@ -65,35 +55,32 @@ class _Tracked:
 
 
 class OffloadScheduler:
-    def __init__(self, context: KVConnectorContext, config: OffloadConfig) -> None:
+    def __init__(
+        self,
+        context: KVConnectorContext,
+        config: OffloadConfig,
+        metadata_class: type[OffloadMetadata] = OffloadMetadata,
+    ) -> None:
+        """`metadata_class` is what `build_connector_meta` builds, with every field set: an
+        engine that needs its own type for the step's metadata (vLLM) gives a subclass."""
         self.context = context
         self.config = config
+        self.metadata_class = metadata_class
         self.quorum = EventQuorum(context.world_size, max_pending_steps=config.max_pending_steps)
         self.held: dict[int | bytes, set[str]] = {}  # chunk (last block's wire hash) -> media
-        classes = [tier_class(t.kind) for t in config.tiers]
-        self._local_media = {cls.medium for cls in classes if not cls.shared}
+        self._local_media = {t.kind.medium for t in config.tiers if not t.kind.shared}
         self.lookup: PrefixLookup | None = None
-        shared = [t for t, cls in zip(config.tiers, classes, strict=True) if cls.shared]
-        self.watcher: RedisWatcher | None = None
+        self.watcher: RemovalWatcher | None = None
+        shared = [t for t in config.tiers if t.kind.shared]
+        self._shared_medium = shared[0].kind.medium if shared else None
         if shared:
-            placement = TierPlacement(context.world_size, rank=0)
-            tier = create_tier(shared[0], placement)
+            tier = create_tier(shared[0], TierPlacement(context.world_size, rank=0))
             tier.check_reachable()  # before any worker starts: a wrong URL fails at once
             self.lookup = PrefixLookup(tier)
-            if shared[0].kind == "redis" and shared[0].watch and shared[0].cluster:
-                # Keyspace notifications are per node in a cluster: not followed (yet).
-                logger.warning(
-                    "offload: the redis cluster tier does not follow evictions; what the "
-                    "cluster drops is found by a load miss and recomputed"
-                )
-            elif shared[0].kind == "redis" and shared[0].watch:
-                self.watcher = RedisWatcher(
-                    shared[0].url,
-                    f"{context.model_name}/{context.world_size}/",
-                    context.world_size,
-                    self._rank_keys,
-                )
-        # Chunks saved while a watcher runs: wire last hash -> raw, until their EXTERNAL store
+            self.watcher = tier.watch_removals(
+                f"{context.model_name}/{context.world_size}/", context.world_size, self._rank_keys
+            )
+        # Chunks saved while a watcher runs: wire last hash -> raw, until their shared store
         # is released (the watcher follows keys, which name the raw hash).
         self._raw_by_wire: OrderedDict[int | bytes, bytes] = OrderedDict()
         self._shared_gone: list[bytes] = []
@@ -192,7 +179,9 @@ class OffloadScheduler:
     # -- saves and the step ---------------------------------------------------------------------
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> OffloadMetadata:
-        meta = OffloadMetadata(loads=self._loads, reset=self._reset, shared_gone=self._shared_gone)
+        meta = self.metadata_class(
+            loads=self._loads, reset=self._reset, shared_gone=self._shared_gone
+        )
         self._loads, self._reset, self._shared_gone = [], False, []
         self._unreported = self._unreported or bool(meta.loads or meta.reset)
         for new in scheduler_output.scheduled_new_reqs:
@@ -236,7 +225,7 @@ class OffloadScheduler:
         if (
             self.watcher is not None
             and isinstance(event, BlockStored)
-            and event.medium == MEDIUM_EXTERNAL
+            and event.medium == self._shared_medium
         ):
             raw = self._raw_by_wire.pop(event.block_hashes[-1], None)
             if raw is not None:
@@ -267,7 +256,7 @@ class OffloadScheduler:
         ready, self._ready = self._ready, []
         if self.watcher is not None:
             for last, hashes in self.watcher.take_removed():
-                ready.append(BlockRemoved(hashes, MEDIUM_EXTERNAL, group_idx=GROUP_IDX))
+                ready.append(BlockRemoved(hashes, self._shared_medium, group_idx=GROUP_IDX))
                 self._shared_gone.append(last)
         return ready
 

@@ -19,7 +19,7 @@ import logging
 import threading
 from collections import deque
 from collections.abc import Mapping
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 
@@ -62,8 +62,33 @@ def removed_event(info: ChunkInfo, medium: str) -> BlockRemoved:
     return BlockRemoved(list(info.block_hashes), medium, group_idx=GROUP_IDX)
 
 
+@dataclass(frozen=True)
+class StoreJob:
+    """One chunk to store, already copied out of the paged cache."""
+
+    key: str
+    chunk: ChunkInfo
+    data: torch.Tensor
+
+
+@dataclass(frozen=True)
+class ResetJob:
+    """Empty the local tiers (the engine's cache was reset)."""
+
+
+IoJob = ResetJob | LoadSpec | StoreJob
+"""What the I/O thread runs, in this order of priority: resets, then loads, then stores."""
+
+
 class OffloadWorker:
-    def __init__(self, context: KVConnectorContext, config: OffloadConfig) -> None:
+    def __init__(
+        self,
+        context: KVConnectorContext,
+        config: OffloadConfig,
+        metadata_class: type[OffloadWorkerMetadata] = OffloadWorkerMetadata,
+    ) -> None:
+        """`metadata_class` is what `build_connector_worker_meta` builds: an engine that needs
+        its own type for the workers' metadata (vLLM) gives a subclass."""
         self.context = context
         self.config = config
         self.rank = context.rank
@@ -76,13 +101,12 @@ class OffloadWorker:
         self._stats: dict[str, int] = {}
         self._cond = threading.Condition(self._lock)
         self._loads: deque[LoadSpec] = deque()
-        self._stores: deque[tuple[str, ChunkInfo, torch.Tensor]] = deque()
+        self._stores: deque[StoreJob] = deque()
         self._written_shared: set[str] = set()  # keys this rank put in shared tiers
         self._resets = 0
         self._busy = False
         self._reported_pending = 0
-        self.metadata_class: type[OffloadWorkerMetadata] = OffloadWorkerMetadata
-        """What `build_connector_worker_meta` builds (an engine may need its own subclass)."""
+        self.metadata_class = metadata_class
         self._stop = False
         self._thread: threading.Thread | None = None
 
@@ -145,7 +169,7 @@ class OffloadWorker:
                 if len(self._stores) >= self.config.max_pending_stores:
                     self._count("num_stores_dropped")
                     continue
-                self._stores.append((key, save.chunk, data))
+                self._stores.append(StoreJob(key, save.chunk, data))
                 self._cond.notify()
 
     def _only_shared(self) -> bool:
@@ -200,29 +224,9 @@ class OffloadWorker:
     # -- I/O thread ---------------------------------------------------------------------------
 
     def _io_loop(self) -> None:
-        while True:
-            with self._cond:
-                self._cond.wait_for(
-                    lambda: self._stop or self._loads or self._stores or self._resets
-                )
-                if self._stop:
-                    return
-                self._busy = True
-                job: Any
-                if self._resets:
-                    self._resets -= 1
-                    job = "reset"
-                elif self._loads:
-                    job = self._loads.popleft()
-                else:
-                    job = self._stores.popleft()
+        while (job := self._next_job()) is not None:
             try:
-                if job == "reset":
-                    self._reset()
-                elif isinstance(job, LoadSpec):
-                    self._load(job)
-                else:
-                    self._store(*job)
+                self._run(job)
             except Exception:  # the thread must survive anything a tier does
                 logger.exception("offload I/O job failed")
                 with self._lock:
@@ -234,6 +238,26 @@ class OffloadWorker:
                 with self._cond:
                     self._busy = False
                     self._cond.notify_all()
+
+    def _next_job(self) -> IoJob | None:
+        """Wait for the next job and mark the thread busy with it; None once stopped."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._stop or self._loads or self._stores or self._resets)
+            if self._stop:
+                return None
+            self._busy = True
+            if self._resets:  # resets carry nothing, so they are counted rather than queued
+                self._resets -= 1
+                return ResetJob()
+            return self._loads.popleft() if self._loads else self._stores.popleft()
+
+    def _run(self, job: IoJob) -> None:
+        if isinstance(job, ResetJob):
+            self._reset()
+        elif isinstance(job, LoadSpec):
+            self._load(job)
+        else:
+            self._store(job.key, job.chunk, job.data)
 
     def _emit(self, *events: KVCacheEvent) -> None:
         with self._lock:

@@ -21,7 +21,8 @@ from kvconnect import LLM, SamplingParams
 from kvconnect.commands.redis_server import LocalRedisCluster
 from kvconnect.connector.offload.common import ChunkInfo, OffloadConfig, chunk_key
 from kvconnect.connector.offload.tiers.base import TierError
-from kvconnect.connector.offload.tiers.redis import KEY_PREFIX, RedisTier
+from kvconnect.connector.offload.tiers.redis import RedisTier
+from kvconnect.connector.offload.tiers.redis_client import KEY_PREFIX
 from tests.connector.offload.test_offload_engine import CHUNK, offload, settle
 
 pytestmark = pytest.mark.slow
@@ -71,7 +72,7 @@ def test_config_takes_cluster_for_redis_only() -> None:
         {**base, "tiers": [{"kind": "redis", "url": "redis://127.0.0.1:1", "cluster": True}]}, 16
     )
     assert cfg.tiers[0].cluster is True
-    with pytest.raises(ValueError, match="cluster must be true or false"):
+    with pytest.raises(ValueError, match=r"Expected `bool`, got `str` - at `tiers\[0\]\.cluster`"):
         OffloadConfig.from_extra_config(
             {**base, "tiers": [{"kind": "redis", "url": "redis://h:1", "cluster": "yes"}]}, 16
         )

@@ -18,7 +18,7 @@ from kvconnect.commands.redis_server import LocalRedis
 from kvconnect.connector.offload.common import chunk_key
 from kvconnect.connector.offload.connector import OffloadConnector
 from kvconnect.connector.offload.tiers.base import unpack
-from kvconnect.connector.offload.tiers.redis import KEY_PREFIX
+from kvconnect.connector.offload.tiers.redis_client import KEY_PREFIX
 from kvconnect.connector.offload.tiers.redis_watch import RedisWatcher, last_hash_of
 from kvconnect.events import (
     MEDIUM_CPU,
@@ -83,8 +83,9 @@ class Instance:
     def watcher(self) -> RedisWatcher:
         connector = self.llm.connector
         assert isinstance(connector, OffloadConnector) and connector.scheduler is not None
-        assert connector.scheduler.watcher is not None
-        return connector.scheduler.watcher
+        watcher = connector.scheduler.watcher
+        assert isinstance(watcher, RedisWatcher)
+        return watcher
 
     def close(self) -> None:
         self.sub.close()

@@ -1,3 +1,5 @@
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -6,12 +8,14 @@ import torch
 
 from kvconnect.commands.redis_server import LocalRedis
 from kvconnect.connector.offload.common import ChunkInfo, OffloadConfig, TierConfig
+from kvconnect.connector.offload.kinds import TierKind
 from kvconnect.connector.offload.lookup import PrefixLookup
 from kvconnect.connector.offload.tiers import TierPlacement, create_tier
 from kvconnect.connector.offload.tiers.base import TierError, pack, unpack
 from kvconnect.connector.offload.tiers.cpu import CpuTier
 from kvconnect.connector.offload.tiers.disk import DiskTier
-from kvconnect.connector.offload.tiers.redis import RedisTier, redact
+from kvconnect.connector.offload.tiers.redis import RedisTier
+from kvconnect.connector.offload.tiers.redis_client import redact
 
 SHAPE = (2, 2, 8, 2, 4)
 
@@ -123,9 +127,9 @@ def test_factory_builds_each_kind_with_its_own_medium(
 ) -> None:
     placement = TierPlacement(2, 1, SHAPE, torch.float32)
     configs = [
-        TierConfig("cpu", max_bytes=1 << 20),
-        TierConfig("disk", path=str(tmp_path)),
-        TierConfig("redis", url=fresh_redis.url),
+        TierConfig(TierKind.CPU, max_bytes=1 << 20),
+        TierConfig(TierKind.DISK, path=str(tmp_path)),
+        TierConfig(TierKind.REDIS, url=fresh_redis.url),
     ]
     tiers = [create_tier(c, placement) for c in configs]
     assert [(type(t).__name__, t.medium, t.shared) for t in tiers] == [
@@ -216,8 +220,48 @@ def test_redis_tier_down_is_an_error_not_a_hang() -> None:
         ({"tiers": [{"kind": "redis"}]}, "needs a url"),
         ({"tiers": [{"kind": "cpu", "size": 1}]}, "unknown"),
         ({"tiers": [{"kind": "cpu"}], "chunks": 1}, "unknown kv_connector_extra_config"),
+        ({"tiers": [{"kind": "cpu", "max_bytes": 0}]}, r">= 1 - at `tiers\[0\]\.max_bytes`"),
+        ({"tiers": [{"kind": "cpu", "max_bytes": True}]}, r"got `bool` - at `tiers\[0\]\."),
+        (
+            {"tiers": [{"kind": "redis", "url": "u", "ttl_s": 0}]},
+            r"> 0\.0 - at `tiers\[0\]\.ttl_s`",
+        ),
+        ({"tiers": [{"kind": "disk", "ttl_s": 1}]}, "redis options"),
+        ({"chunk_size": "256", "tiers": [{"kind": "cpu"}]}, "got `str` - at `chunk_size`"),
+        ({"max_pending_stores": 0, "tiers": [{"kind": "cpu"}]}, "at `max_pending_stores`"),
     ],
 )
 def test_config_errors_name_the_problem(extra: dict[str, object], match: str) -> None:
     with pytest.raises(ValueError, match=match):
         OffloadConfig.from_extra_config(extra, block_size=16)
+
+
+def test_config_reads_each_tier_as_its_kind_with_its_defaults() -> None:
+    extra = {
+        "chunk_size": 32,
+        "tiers": [{"kind": "cpu", "max_bytes": 4096}, {"kind": "redis", "url": "u", "ttl_s": 2}],
+    }
+    cfg = OffloadConfig.from_extra_config(extra, block_size=16)
+    assert cfg.blocks_per_chunk == 2 and cfg.max_pending_stores == cfg.max_pending_steps == 64
+    assert cfg.tiers == (
+        TierConfig(TierKind.CPU, max_bytes=4096),
+        TierConfig(TierKind.REDIS, url="u", ttl_s=2.0),
+    )
+    assert [t.kind.medium for t in cfg.tiers] == ["CPU", "EXTERNAL"]
+
+
+def test_each_kind_knows_its_medium_locality_and_sharing() -> None:
+    table = [(k.value, k.medium, k.locality, k.shared) for k in TierKind]
+    assert table == [
+        ("cpu", "CPU", None, False),
+        ("disk", "DISK", None, False),
+        ("redis", "EXTERNAL", None, True),
+    ]
+    assert [TierKind.of_medium(m) for m in ("EXTERNAL", "GPU", None)] == [
+        TierKind.REDIS,
+        None,
+        None,
+    ]
+    # The router reads this vocabulary in a process that never imports torch.
+    code = "import sys, kvconnect.connector.offload.kinds; assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -8,15 +8,17 @@ thread may call:
 - `num_held_prefix(chunks)` answers, for chunks given as their per-rank keys, how many from the
   first the tier holds on every rank (the scheduler half asks shared tiers this, off its step
   thread); `TierError` if the tier cannot be asked;
-- `check_integrity()` raises AssertionError if the tier's own bookkeeping is inconsistent.
+- `check_integrity()` raises AssertionError if the tier's own bookkeeping is inconsistent;
+- `watch_removals(...)` (the scheduler half, once, on its shared tier) returns what follows the
+  entries the tier drops on its own, or None if there is nothing to follow.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Self
+from typing import Any, ClassVar, Protocol, Self
 
 import msgspec
 import numpy as np
@@ -24,6 +26,8 @@ import torch
 import xxhash
 
 from kvconnect.connector.offload.common import ChunkInfo, TierConfig
+from kvconnect.connector.offload.kinds import TierKind
+from kvconnect.events import ExternalBlockHash
 
 
 class TierError(RuntimeError):
@@ -53,13 +57,40 @@ class TierPlacement:
     dtype: torch.dtype = torch.float32
 
 
+class RemovalWatcher(Protocol):
+    """Follows what a shared tier drops on its own (evictions, expiries), for the chunks the
+    scheduler half announced there; runs its own thread (see tiers/redis_watch.py)."""
+
+    def announce(self, last_block_hash: bytes, block_hashes: Sequence[ExternalBlockHash]) -> None:
+        """The chunk's BlockStored was released: follow it from now on."""
+
+    def take_removed(self) -> list[tuple[bytes, list[ExternalBlockHash]]]:
+        """The chunks dropped since the last call, (last block hash, block hashes), once each."""
+
+    @property
+    def has_removed(self) -> bool:
+        """Whether `take_removed` has something."""
+
+    def shutdown(self) -> None: ...
+
+
+RankKeys = Callable[[bytes], list[str]]
+"""A chunk's keys on every rank, from the hash of its last block."""
+
+
 class Tier(ABC):
-    kind: str
-    """The `kind` of its TierConfig."""
-    medium: str
-    """Its medium in KV events."""
-    shared = False
-    """Several instances see the same entries."""
+    kind: ClassVar[TierKind]
+    """What the tier is (its config's `kind`); its medium and sharing follow from it."""
+
+    @property
+    def medium(self) -> str:
+        """Its medium in KV events."""
+        return self.kind.medium
+
+    @property
+    def shared(self) -> bool:
+        """Several instances see the same entries."""
+        return self.kind.shared
 
     @classmethod
     @abstractmethod
@@ -97,6 +128,14 @@ class Tier(ABC):
     def check_reachable(self) -> None:
         """`ValueError` if the tier cannot be used at all (a remote one that does not answer);
         local tiers always can."""
+        return None
+
+    def watch_removals(
+        self, key_prefix: str, world_size: int, rank_keys: RankKeys
+    ) -> RemovalWatcher | None:
+        """What follows the entries this tier drops without being asked (`key_prefix` starts
+        the keys of this model and world size). None, the default: a tier that drops only what
+        it is asked to, or reports its evictions itself (local tiers return them from `put`)."""
         return None
 
     def close(self) -> None:

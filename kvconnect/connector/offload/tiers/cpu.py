@@ -8,11 +8,12 @@ from typing import Self
 import torch
 
 from kvconnect.connector.offload.common import ChunkInfo, TierConfig
+from kvconnect.connector.offload.kinds import TierKind
 from kvconnect.connector.offload.tiers.base import Evicted, Tier, TierPlacement, TierTooSmall
 
 
 class CpuTier(Tier):
-    kind, medium = "cpu", "CPU"
+    kind = TierKind.CPU
 
     @classmethod
     def from_config(cls, config: TierConfig, placement: TierPlacement) -> Self:

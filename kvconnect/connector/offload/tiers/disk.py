@@ -26,6 +26,7 @@ from typing import BinaryIO, Self
 import torch
 
 from kvconnect.connector.offload.common import ChunkInfo, TierConfig
+from kvconnect.connector.offload.kinds import TierKind
 from kvconnect.connector.offload.tiers.base import (
     Evicted,
     Tier,
@@ -41,7 +42,7 @@ SUFFIX = ".kvchunk"
 
 
 class DiskTier(Tier):
-    kind, medium = "disk", "DISK"
+    kind = TierKind.DISK
 
     @classmethod
     def from_config(cls, config: TierConfig, placement: TierPlacement) -> Self:

@@ -20,54 +20,41 @@ from typing import Any, Self
 
 import redis
 import torch
-from redis.cluster import RedisCluster
-from redis.exceptions import RedisClusterException
 
 from kvconnect.connector.offload.common import ChunkInfo, TierConfig
+from kvconnect.connector.offload.kinds import TierKind
 from kvconnect.connector.offload.tiers.base import (
     Evicted,
+    RankKeys,
+    RemovalWatcher,
     Tier,
     TierError,
     TierPlacement,
     pack,
     unpack,
 )
+from kvconnect.connector.offload.tiers.redis_client import ERRORS, KEY_PREFIX, connect, redact
+from kvconnect.connector.offload.tiers.redis_watch import RedisWatcher
 
 logger = logging.getLogger(__name__)
-KEY_PREFIX = "kvconnect:"
-ERRORS = (redis.RedisError, RedisClusterException)
-"""What a server or cluster that is down or failing over raises (the cluster client's own
-"no node reachable" is not a RedisError)."""
-
-
-def redact(url: str) -> str:
-    """The URL without its password, for logs."""
-    scheme, sep, rest = url.partition("://")
-    return f"{scheme}{sep}{rest.rpartition('@')[2]}" if sep else url
-
-
-def connect(url: str, cluster: bool = False) -> Any:
-    """A client for `url` (password and rediss:// TLS as in the URL) with short timeouts; for
-    a cluster, one that finds every node from the one named and follows slot moves and
-    failovers."""
-    if cluster:
-        return RedisCluster.from_url(url, socket_timeout=2.0, socket_connect_timeout=2.0)
-    return redis.Redis.from_url(url, socket_timeout=2.0, socket_connect_timeout=2.0)
 
 
 class RedisTier(Tier):
-    kind, medium = "redis", "EXTERNAL"
-    shared = True
+    kind = TierKind.REDIS
 
     @classmethod
     def from_config(cls, config: TierConfig, placement: TierPlacement) -> Self:
-        return cls(config.url, config.ttl_s, config.cluster)
+        return cls(config.url, config.ttl_s, config.cluster, config.watch)
 
-    def __init__(self, url: str, ttl_s: float | None = None, cluster: bool = False) -> None:
+    def __init__(
+        self, url: str, ttl_s: float | None = None, cluster: bool = False, watch: bool = True
+    ) -> None:
         self.url = redact(url)
         self._raw_url = url
         self.ttl_ms = None if ttl_s is None else max(1, round(ttl_s * 1000))
         self.cluster = cluster
+        self.watch = watch
+        """Follow what the server drops (`watch_removals`)."""
         self._client: Any = None
         self.num_errors = 0
         try:
@@ -149,6 +136,21 @@ class RedisTier(Tier):
         msg = f"redis tier {self.url}: {op} failed: {e}"
         logger.warning(msg)
         return msg
+
+    def watch_removals(
+        self, key_prefix: str, world_size: int, rank_keys: RankKeys
+    ) -> RemovalWatcher | None:
+        """A `RedisWatcher` on the server's keyspace notifications, unless the tier's config
+        says not to follow them or it is a cluster (whose notifications are per node)."""
+        if not self.watch:
+            return None
+        if self.cluster:
+            logger.warning(
+                "offload: the redis cluster tier does not follow evictions; what the "
+                "cluster drops is found by a load miss and recomputed"
+            )
+            return None
+        return RedisWatcher(self._raw_url, key_prefix, world_size, rank_keys)
 
     def close(self) -> None:
         if self._client is not None:

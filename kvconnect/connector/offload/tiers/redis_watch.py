@@ -41,7 +41,7 @@ from typing import Any
 
 import redis
 
-from kvconnect.connector.offload.tiers.redis import KEY_PREFIX, connect, redact
+from kvconnect.connector.offload.tiers.redis_client import KEY_PREFIX, connect, redact
 from kvconnect.events import ExternalBlockHash
 
 logger = logging.getLogger(__name__)
