@@ -1,6 +1,9 @@
 """The OpenAI API requests kvconnect serves and routes, validated before anything else runs.
 
     parse(body, CompletionRequest | ChatCompletionRequest) -> the request, or ApiError (400)
+    parse(body, DetokenizeRequest)                          vLLM's POST /detokenize
+    parse_tokenize(body) -> TokenizeCompletionRequest | TokenizeChatRequest
+                                                            vLLM's POST /tokenize, either form
 
 Every field is typed (no coercion: "4" and 4.5 are not a max_tokens) and bounded; a bad one is
 a 400 whose body is OpenAI's `{"error": {"message", "type", "param", "code"}}` naming it.
@@ -14,6 +17,7 @@ Shared by `kvconnect serve` and `kvconnect router`, so this imports nothing of t
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import Annotated, Any, TypeVar
 
 import msgspec
@@ -71,10 +75,18 @@ class StreamOptions(msgspec.Struct):
     include_usage: bool = False
 
 
-class _Sampling(msgspec.Struct, kw_only=True):
-    """The fields completions and chat completions share."""
+class _Request(msgspec.Struct, kw_only=True):
+    """What every request shares: the model it is for (None: the one served)."""
 
     model: str | None = None
+
+    def check_unsupported(self) -> None:
+        """`ApiError` if a field kvconnect does not implement is set (types are checked by then)."""
+
+
+class _Sampling(_Request, kw_only=True):
+    """The fields completions and chat completions share."""
+
     temperature: Temperature | None = None
     top_p: TopP | None = None
     top_k: TopK | None = None
@@ -147,13 +159,15 @@ class CompletionRequest(_Sampling, kw_only=True):
                 "lists of token ids",
                 "prompt",
             )
+        prompts: list[str | list[int]] | None = None
         if all(isinstance(x, str) for x in p):
-            prompts: list[str | list[int]] = list(p)
-        elif all(_is_token(x) for x in p):
-            prompts = [list(p)]
-        elif all(isinstance(x, list) and x and all(_is_token(t) for t in x) for x in p):
-            prompts = [list(x) for x in p]
-        else:
+            prompts = list(p)
+        elif (ids := _token_ids(p)) is not None:
+            prompts = [ids]
+        elif all(isinstance(x, list) for x in p):
+            lists = [_token_ids(x) for x in p]
+            prompts = None if None in lists else lists  # type: ignore[assignment]
+        if prompts is None:
             raise ApiError(
                 "prompt: a list must hold only strings, only token ids (integers >= 0), or "
                 "only non-empty lists of token ids",
@@ -189,12 +203,13 @@ class ChatMessage(msgspec.Struct):
 
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
+Messages = Annotated[list[ChatMessage], msgspec.Meta(min_length=1, max_length=MAX_MESSAGES)]
 
 
 class ChatCompletionRequest(_Sampling, kw_only=True):
     """POST /v1/chat/completions."""
 
-    messages: Annotated[list[ChatMessage], msgspec.Meta(min_length=1, max_length=MAX_MESSAGES)]
+    messages: Messages
     max_tokens: PositiveTokens | None = None
     max_completion_tokens: PositiveTokens | None = None
     add_generation_prompt: bool = True
@@ -213,12 +228,7 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
             raise ApiError("tool_choice is not supported", "tool_choice")
         if self.response_format not in (None, {"type": "text"}):
             raise ApiError("response_format other than text is not supported", "response_format")
-        for i, m in enumerate(self.messages):
-            if m.role not in ROLES:
-                raise ApiError(
-                    f"messages[{i}].role={m.role!r}: must be one of {', '.join(ROLES)}",
-                    f"messages[{i}].role",
-                )
+        _check_roles(self.messages)
 
     @property
     def completion_tokens(self) -> int | None:
@@ -227,33 +237,146 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
 
     def conversation(self) -> list[dict[str, str]]:
         """The messages as a chat template takes them: role and text content."""
-        out = []
-        for i, m in enumerate(self.messages):
-            message = {"role": m.role, "content": m.text(i)}
-            if m.name is not None:
-                message["name"] = m.name
-            out.append(message)
-        return out
+        return _conversation(self.messages)
 
 
-def _is_token(x: object) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 2**31
+def _check_roles(messages: list[ChatMessage]) -> None:
+    for i, m in enumerate(messages):
+        if m.role not in ROLES:
+            raise ApiError(
+                f"messages[{i}].role={m.role!r}: must be one of {', '.join(ROLES)}",
+                f"messages[{i}].role",
+            )
+
+
+def _conversation(messages: list[ChatMessage]) -> list[dict[str, str]]:
+    out = []
+    for i, m in enumerate(messages):
+        message = {"role": m.role, "content": m.text(i)}
+        if m.name is not None:
+            message["name"] = m.name
+        out.append(message)
+    return out
+
+
+# -- vLLM's tokenizer endpoints (vllm/entrypoints/serve/tokenize/protocol.py) -------------------
+
+
+class TokenizeCompletionRequest(_Request, kw_only=True):
+    """POST /tokenize with a prompt: its token ids as /v1/completions runs them."""
+
+    prompt: str
+    add_special_tokens: bool = True
+    """vLLM's: add the tokenizer's own special tokens (BOS); kvconnect's add none (the server
+    says why)."""
+    return_token_strs: bool | None = False
+    """Also return each token's piece of the vocabulary."""
+
+
+class TokenizeChatRequest(_Request, kw_only=True):
+    """POST /tokenize with messages: rendered as /v1/chat/completions renders them."""
+
+    messages: Messages
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    """End the prompt inside the final message (no end of turn), for the model to continue it;
+    only with add_generation_prompt false."""
+    add_special_tokens: bool = False
+    return_token_strs: bool | None = False
+    # vLLM fields kvconnect does not implement: allowed only unset.
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+
+    def check_unsupported(self) -> None:
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ApiError(
+                "continue_final_message and add_generation_prompt cannot both be true "
+                "(add_generation_prompt is true unless set false)",
+                "continue_final_message",
+            )
+        if self.chat_template is not None:
+            raise ApiError("chat_template is not supported (the model's is used)", "chat_template")
+        for name in ("chat_template_kwargs", "mm_processor_kwargs", "tools"):
+            if getattr(self, name):
+                raise ApiError(f"{name} is not supported", name)
+        _check_roles(self.messages)
+
+    def conversation(self) -> list[dict[str, str]]:
+        return _conversation(self.messages)
+
+
+class DetokenizeRequest(_Request, kw_only=True):
+    """POST /detokenize: token ids back to text (the server checks them against the vocabulary)."""
+
+    tokens: list[int]
+
+
+_TokenIds = list[Annotated[int, msgspec.Meta(ge=0, lt=2**31)]]
+
+
+def _token_ids(x: list[Any]) -> list[int] | None:
+    """`x` as token ids (a new list), or None unless it is a non-empty list of integers
+    0 <= id < 2**31 (bools are not integers here). Checked in C: a long prompt is one call."""
+    if not x:
+        return None
+    try:
+        ids: list[int] = msgspec.convert(x, _TokenIds, strict=True)
+    except msgspec.ValidationError:
+        return None
+    return ids
 
 
 _PARAM = re.compile(r"at `\$\.?([^`]*)`")
 _MISSING = re.compile(r"missing required field `([^`]*)`")
-R = TypeVar("R", CompletionRequest, ChatCompletionRequest)
+R = TypeVar("R", bound=_Request)
 
 
 def parse(body: bytes, kind: type[R]) -> R:
     """The request in `body`, validated; `ApiError` (400 or 413) naming what is wrong."""
+    _check_size(body)
+    request = _validated(lambda: msgspec.json.decode(body, type=kind, strict=True))
+    request.check_unsupported()
+    return request
+
+
+def parse_tokenize(body: bytes) -> TokenizeCompletionRequest | TokenizeChatRequest:
+    """A /tokenize request: the chat form when it has `messages`, else the prompt form."""
+    _check_size(body)
+    fields = _validated(lambda: msgspec.json.decode(body))
+    if not isinstance(fields, dict):
+        raise ApiError("invalid request: the body must be a JSON object")
+    request: TokenizeCompletionRequest | TokenizeChatRequest
+    if "messages" in fields:
+        if "prompt" in fields:
+            raise ApiError("give `prompt` or `messages`, not both", "prompt")
+        request = _validated(lambda: msgspec.convert(fields, TokenizeChatRequest, strict=True))
+    elif "prompt" in fields:
+        request = _validated(
+            lambda: msgspec.convert(fields, TokenizeCompletionRequest, strict=True)
+        )
+    else:
+        raise ApiError("the body needs `prompt` (a string) or `messages` (a chat)", "prompt")
+    request.check_unsupported()
+    return request
+
+
+def _check_size(body: bytes) -> None:
     if len(body) > MAX_BODY_BYTES:
         raise ApiError(
             f"request body of {len(body)} bytes is over the limit of {MAX_BODY_BYTES}",
             status=413,
         )
+
+
+T = TypeVar("T")
+
+
+def _validated(decode: Callable[[], T]) -> T:
+    """`decode()`, its failures as the 400 that names the field."""
     try:
-        request = msgspec.json.decode(body, type=kind, strict=True)
+        return decode()
     except msgspec.ValidationError as e:
         found = _PARAM.search(str(e)) or _MISSING.search(str(e))
         param = found.group(1) if found else None
@@ -263,8 +386,6 @@ def parse(body: bytes, kind: type[R]) -> R:
         raise ApiError(f"the body is not valid JSON: {e}") from None
     except RecursionError:
         raise ApiError("the body is nested too deeply") from None
-    request.check_unsupported()
-    return request
 
 
 __all__ = [
@@ -273,5 +394,9 @@ __all__ = [
     "ChatCompletionRequest",
     "ChatMessage",
     "CompletionRequest",
+    "DetokenizeRequest",
+    "TokenizeChatRequest",
+    "TokenizeCompletionRequest",
     "parse",
+    "parse_tokenize",
 ]

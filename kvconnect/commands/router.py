@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+from collections.abc import Coroutine
+from typing import Any
 
 from kvconnect.commands.startup import check_port_free
 from kvconnect.router.core import Instance, Router
@@ -33,4 +35,14 @@ def run_router_command(args: argparse.Namespace) -> int:
         tier_weights=weights,
     )
     router = Router(instances, index, tokenizer, args.load_weight).start()
-    return asyncio.run(serve_router(router, args.host, args.port))
+    return run_event_loop(serve_router(router, args.host, args.port))
+
+
+def run_event_loop(main: Coroutine[Any, Any, int]) -> int:
+    """`main` on uvloop where it is installed (about half the per-request cost of a proxied
+    request), else on asyncio's own loop."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(main)
+    return uvloop.run(main)

@@ -202,7 +202,10 @@ class Router:
 def stale_check(
     req: CompletionRequest | ChatCompletionRequest, token_ids: list[int]
 ) -> StaleCheck | None:
-    """A request whose usage speaks of one prompt (chat, or a single completion prompt)."""
-    if isinstance(req, CompletionRequest) and len(req.prompts()) != 1:
-        return None
+    """A request whose usage speaks of one prompt (chat, or a single completion prompt).
+    `req`'s prompt was validated already (`Router.prompt_tokens`): its shape is enough."""
+    if isinstance(req, CompletionRequest):
+        p = req.prompt
+        if not (isinstance(p, str) or len(p) == 1 or not isinstance(p[0], str | list)):
+            return None
     return token_ids, req.cache_salt

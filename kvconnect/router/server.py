@@ -36,14 +36,18 @@ from kvconnect.api.protocol import (
     parse,
 )
 from kvconnect.router.core import Router, stale_check
-from kvconnect.router.forward import Unreachable, forward
+from kvconnect.router.forward import forward
 from kvconnect.router.metrics import RouterMetrics
+from kvconnect.router.upstream import Unreachable, UpstreamPool
 
 logger = logging.getLogger(__name__)
 
 SESSION = web.AppKey("session", aiohttp.ClientSession)
+POOL = web.AppKey("pool", UpstreamPool)
 HEALTH_TASK = web.AppKey("health_task", asyncio.Task[None])
 ROUTER = web.AppKey("router", Router)
+INLINE_TOKENIZE_BYTES = 16 << 10
+"""Bodies up to this size are tokenized on the event loop (ids need no tokenizing at all)."""
 
 
 def _none_in_rotation() -> web.Response:
@@ -72,6 +76,10 @@ class RouterServer:
                 chat = False  # parse() below says what is wrong with it
         req: CompletionRequest | ChatCompletionRequest
         req = parse(raw, ChatCompletionRequest) if chat else parse(raw, CompletionRequest)
+        if len(raw) <= INLINE_TOKENIZE_BYTES:
+            # Token ids, or text short enough to tokenize in well under a millisecond: a
+            # thread hop would cost more than it saves.
+            return raw, req, self.router.prompt_tokens(req)
         token_ids = await asyncio.to_thread(self.router.prompt_tokens, req)
         return raw, req, token_ids
 
@@ -80,7 +88,7 @@ class RouterServer:
             raw, req, token_ids = await self._parse(http, chat)
         except ApiError as e:
             return error_response(e)
-        router, session = self.router, http.app[SESSION]
+        router, pool = self.router, http.app[POOL]
         tried: set[str] = set()
         while True:
             picked = router.pick(token_ids, tried, req.cache_salt)
@@ -92,7 +100,7 @@ class RouterServer:
             router.in_flight[instance.name] += 1
             try:
                 check = stale_check(req, token_ids)
-                return await forward(http, session, instance, raw, router, score, check)
+                return await forward(http, pool, instance, raw, router, score, check)
             except Unreachable as e:
                 logger.warning("router: %s unreachable (%s); trying another", instance.name, e)
                 router.mark_down(instance.name, f"forward failed: {e}")
@@ -159,7 +167,8 @@ class RouterServer:
 
 async def _open(app: web.Application) -> None:
     session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=5))
-    app[SESSION] = session
+    app[SESSION] = session  # health checks and /v1/models
+    app[POOL] = UpstreamPool()  # the completions themselves
     app[HEALTH_TASK] = asyncio.create_task(app[ROUTER].health.run(session))
 
 
@@ -168,6 +177,7 @@ async def _close(app: web.Application) -> None:
     with contextlib.suppress(asyncio.CancelledError):
         await app[HEALTH_TASK]
     await app[SESSION].close()
+    await app[POOL].close()
     await asyncio.to_thread(app[ROUTER].close)
 
 
