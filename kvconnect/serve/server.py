@@ -6,6 +6,10 @@
     POST /v1/chat/completions   messages rendered with the model's chat template; the same
                                 sampling fields; streamed as deltas when asked
     GET  /v1/models             the one model served
+    POST /tokenize              vLLM's: a prompt, or messages rendered as chat completions
+                                renders them -> count, max_model_len, tokens (token_strs)
+    POST /detokenize            vLLM's: tokens -> prompt (the text, special tokens kept)
+    GET  /version               kvconnect's version, as vLLM answers with its own
     GET  /health                200 while the engine runs, 503 once it failed
     GET  /metrics               Prometheus (see metrics.py)
 
@@ -16,6 +20,14 @@ that starts and then fails. The engine runs on its own thread (`engine_loop.py`)
 server knows it only through that loop (`EngineLoop.info`: tokenizer, limits). When the engine
 fails the server answers 503, logs one line and exits with status 1, so that a supervisor
 restarts it. Binds 127.0.0.1 unless told otherwise; one access log line per request.
+
+/tokenize answers with the tokens the engine runs for the same prompt or messages, so that a
+router that tokenizes through it (vllm-router does) hashes the blocks this instance publishes.
+`add_special_tokens` is accepted and adds nothing, because kvconnect puts no special tokens
+around a prompt in any endpoint. For SmolLM2 that is vLLM's answer too: a byte-level BPE gets
+a BOS only when its file says `add_bos_token`, and SmolLM2's does not; the byte model (tiny,
+kvconnect's own) never starts a prompt with its BOS. A checkpoint whose tokenizer.json adds a
+BOS (Llama's) would get one from vLLM and gets none here, in /tokenize as in completions.
 """
 
 from __future__ import annotations
@@ -28,22 +40,35 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 from aiohttp import web
 
+from kvconnect import __version__
 from kvconnect.api.http import access_and_errors, error_response, read_body
 from kvconnect.api.protocol import (
     MAX_BODY_BYTES,
     ApiError,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
     parse,
+    parse_tokenize,
 )
 from kvconnect.api.responses import DONE, Envelope, Usage, sse
 from kvconnect.engine.llm import LLM
 from kvconnect.engine.request import Request, SamplingParams
 from kvconnect.serve.engine_loop import EngineLoop, Failed, Job, Update
 from kvconnect.serve.metrics import ServeMetrics
-from kvconnect.tokenizer import ChatTemplateError
+from kvconnect.tokenizer import (
+    BYTE_BOS,
+    BYTE_EOS,
+    ByteTokenizer,
+    ChatTemplateError,
+    HFTokenizer,
+    Tokenizer,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -87,11 +112,7 @@ class OpenAIServer:
         it takes them. Runs on a worker thread: a huge prompt must not stall the event loop."""
         tok = self.info.tokenizer
         if isinstance(req, ChatCompletionRequest):
-            try:
-                text = tok.apply_chat_template(req.conversation(), req.add_generation_prompt)
-            except ChatTemplateError as e:
-                raise ApiError(str(e), "messages") from None
-            prompts = [tok.encode(text)]
+            prompts = [tok.encode(self._render(req.conversation(), req.add_generation_prompt))]
             param = "messages"
         else:
             prompts = [p if isinstance(p, list) else tok.encode(p) for p in req.prompts()]
@@ -106,6 +127,21 @@ class OpenAIServer:
                 ]
             )
         return Prepared(prompts, jobs, param)
+
+    def _render(
+        self,
+        conversation: list[dict[str, str]],
+        add_generation_prompt: bool,
+        continue_final_message: bool = False,
+    ) -> str:
+        """The chat as the model's template renders it; `ApiError` naming `messages` if not."""
+        try:
+            text = self.info.tokenizer.apply_chat_template(conversation, add_generation_prompt)
+        except ChatTemplateError as e:
+            raise ApiError(str(e), "messages") from None
+        if continue_final_message:
+            return _continue_final(text, conversation[-1]["content"])
+        return text
 
     def _max_tokens(self, req: CompletionRequest | ChatCompletionRequest, num_prompt: int) -> int:
         if isinstance(req, ChatCompletionRequest):
@@ -280,6 +316,70 @@ class OpenAIServer:
             }
         )
 
+    # -- vLLM's tokenizer endpoints ------------------------------------------------------------
+
+    async def tokenize(self, http: web.Request) -> web.Response:
+        try:
+            req = parse_tokenize(await read_body(http))
+            self._check_model(req.model)
+            body = await asyncio.to_thread(self._tokenize, req)
+        except ApiError as e:
+            return error_response(e)
+        return web.Response(body=body, content_type="application/json")
+
+    def _tokenize(self, req: TokenizeCompletionRequest | TokenizeChatRequest) -> bytes:
+        """The response body: the prompt's tokens as the engine would run them. Runs on a
+        worker thread, as `_prepare` does."""
+        tok = self.info.tokenizer
+        if isinstance(req, TokenizeChatRequest):
+            text = self._render(
+                req.conversation(), req.add_generation_prompt, req.continue_final_message
+            )
+            tokens, param = tok.encode(text), "messages"
+        else:
+            tokens, param = tok.encode(req.prompt), "prompt"
+        self._check_length(len(tokens), param)
+        return msgspec.json.encode(
+            {
+                "count": len(tokens),
+                "max_model_len": self.info.max_model_len,
+                "tokens": tokens,
+                "token_strs": _token_strs(tok, tokens) if req.return_token_strs else None,
+            }
+        )
+
+    async def detokenize(self, http: web.Request) -> web.Response:
+        try:
+            req = parse(await read_body(http), DetokenizeRequest)
+            self._check_model(req.model)
+            body = await asyncio.to_thread(self._detokenize, req.tokens)
+        except ApiError as e:
+            return error_response(e)
+        return web.Response(body=body, content_type="application/json")
+
+    def _detokenize(self, tokens: list[int]) -> bytes:
+        vocab = self.info.vocab_size
+        bad = next((i for i, t in enumerate(tokens) if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ApiError(
+                f"tokens[{bad}]={tokens[bad]} is not in the vocabulary [0, {vocab})", "tokens"
+            )
+        self._check_length(len(tokens), "tokens")
+        return msgspec.json.encode({"prompt": _decode(self.info.tokenizer, tokens)})
+
+    def _check_length(self, num_tokens: int, param: str) -> None:
+        """vLLM's limit on both endpoints: no more tokens than the model's context."""
+        limit = self.info.max_model_len
+        if num_tokens > limit:
+            raise ApiError(
+                f"{param}: {num_tokens} tokens is more than the model's context of {limit} "
+                "tokens (max_model_len)",
+                param,
+            )
+
+    async def version(self, _: web.Request) -> web.Response:
+        return web.json_response({"version": __version__})
+
     async def health(self, _: web.Request) -> web.Response:
         if self.engine.error:
             return web.json_response({"status": "error", "error": self.engine.error}, status=503)
@@ -294,6 +394,51 @@ def _failure(update: Failed, param: str | None = None) -> ApiError:
     if update.status == 400:
         return ApiError(update.message, param)
     return ApiError(update.message, status=update.status, type_="service_unavailable")
+
+
+def _continue_final(text: str, final: str) -> str:
+    """The rendered chat cut right after the final message's content (no end of turn, no next
+    header), as transformers' `continue_final_message` cuts it: after the content as the
+    template kept it, trailing spaces included only if the template kept them."""
+    at = text.rfind(final.strip())
+    if at < 0:
+        raise ApiError(
+            "continue_final_message: the final message's content is not in the rendered chat",
+            "continue_final_message",
+        )
+    kept = len(final.lstrip())
+    if text[at : at + kept] == final:
+        return text[: at + kept]
+    return text[: at + len(final.strip())]
+
+
+def _token_strs(tok: Tokenizer, tokens: list[int]) -> list[str]:
+    """Each token's piece of the vocabulary, as vLLM's `convert_ids_to_tokens` gives it (a
+    byte-level BPE writes a leading space as "Ġ"). The byte model's pieces: printable ASCII as
+    itself, any other byte as "<0xNN>" (how byte-fallback vocabularies name bytes), and its
+    two specials as "<bos>", "<eos>"."""
+    if isinstance(tok, HFTokenizer):
+        # `Tokenizer` offers no piece lookup: the `tokenizers` object behind it does.
+        return [tok._tok.id_to_token(t) or "" for t in tokens]
+    if isinstance(tok, ByteTokenizer):
+        return [_BYTE_PIECES.get(t) or _byte_piece(t) for t in tokens]
+    return [tok.decode([t]) for t in tokens]
+
+
+_BYTE_PIECES = {BYTE_BOS: "<bos>", BYTE_EOS: "<eos>"}
+
+
+def _byte_piece(t: int) -> str:
+    return chr(t) if 0x20 <= t < 0x7F else f"<0x{t:02X}>"
+
+
+def _decode(tok: Tokenizer, tokens: list[int]) -> str:
+    """The text of `tokens` with special tokens kept, as vLLM's /detokenize decodes (so that a
+    rendered chat comes back whole); the byte model's specials have no text."""
+    if isinstance(tok, HFTokenizer):
+        # `Tokenizer.decode` drops special tokens (for generated text): decode underneath.
+        return str(tok._tok.decode(tokens, skip_special_tokens=False))
+    return tok.decode(tokens)
 
 
 def _usage(prepared: Prepared, finals: list[Request]) -> Usage:
@@ -311,6 +456,9 @@ def make_app(server: OpenAIServer) -> web.Application:
     app.router.add_post("/v1/completions", server.completions)
     app.router.add_post("/v1/chat/completions", server.chat_completions)
     app.router.add_get("/v1/models", server.models)
+    app.router.add_post("/tokenize", server.tokenize)
+    app.router.add_post("/detokenize", server.detokenize)
+    app.router.add_get("/version", server.version)
     app.router.add_get("/health", server.health)
     app.router.add_get("/metrics", server.prometheus)
     return app
