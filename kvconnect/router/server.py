@@ -6,6 +6,8 @@
                                  forwarded unchanged to the chosen instance; its answer,
                                  streamed or not, is passed back with `x-kvconnect-instance`
     GET  /v1/models              from an instance in rotation
+    POST /tokenize, /detokenize  the same (vLLM's shapes; every instance has the same model)
+    GET  /version                kvconnect's version
     POST /kv/score               {"prompt": ...} or {"messages": [...]}: what each instance
                                  holds of it
     GET  /health                 each instance's state; 503 when none is in rotation
@@ -27,6 +29,7 @@ import aiohttp
 import msgspec
 from aiohttp import web
 
+from kvconnect import __version__
 from kvconnect.api.http import access_and_errors, error_response, read_body
 from kvconnect.api.protocol import (
     MAX_BODY_BYTES,
@@ -38,7 +41,7 @@ from kvconnect.api.protocol import (
 from kvconnect.router.core import Router, stale_check
 from kvconnect.router.forward import forward
 from kvconnect.router.metrics import RouterMetrics
-from kvconnect.router.upstream import Unreachable, UpstreamPool
+from kvconnect.router.upstream import Unreachable, UpstreamBroken, UpstreamPool
 
 logger = logging.getLogger(__name__)
 
@@ -129,6 +132,38 @@ class RouterServer:
                 router.mark_down(inst.name, f"/v1/models failed: {e}")
         return _none_in_rotation()
 
+    async def to_any_instance(self, http: web.Request) -> web.Response:
+        """/tokenize and /detokenize: every instance serves the same model, so the first in
+        rotation answers (its answer passed back unchanged, as vLLM's or kvconnect's)."""
+        router = self.router
+        try:
+            raw = await read_body(http)
+        except ApiError as e:
+            return error_response(e)
+        for inst in router.instances:
+            if not router.health.is_up(inst.name):
+                continue
+            try:
+                upstream = await http.app[POOL].post(inst.url, http.path, raw)
+            except Unreachable as e:
+                router.mark_down(inst.name, f"{http.path} failed: {e}")
+                continue
+            try:
+                body = await upstream.read()
+            except UpstreamBroken as e:
+                logger.warning("router: %s failed mid-answer: %s", inst.name, e)
+                continue
+            finally:
+                upstream.release()
+            http["instance"] = inst.name
+            content_type = upstream.headers.get("content-type", "application/json")
+            headers = {"Content-Type": content_type, "x-kvconnect-instance": inst.name}
+            return web.Response(body=body, status=upstream.status, headers=headers)
+        return _none_in_rotation()
+
+    async def version(self, _: web.Request) -> web.Response:
+        return web.json_response({"version": __version__})
+
     async def kv_score(self, http: web.Request) -> web.Response:
         """What each instance holds of a prompt or a chat's messages, as the router sees it
         (nothing is sent)."""
@@ -191,6 +226,9 @@ def make_app(router: Router) -> web.Application:
     app.router.add_post("/v1/completions", handlers.completions)
     app.router.add_post("/v1/chat/completions", handlers.chat_completions)
     app.router.add_get("/v1/models", handlers.models)
+    app.router.add_post("/tokenize", handlers.to_any_instance)
+    app.router.add_post("/detokenize", handlers.to_any_instance)
+    app.router.add_get("/version", handlers.version)
     app.router.add_post("/kv/score", handlers.kv_score)
     app.router.add_get("/health", handlers.health)
     app.router.add_get("/metrics", handlers.prometheus)

@@ -1,0 +1,177 @@
+"""The router's upstream client against a real HTTP/1.1 server on loopback: framing (length,
+chunked with trailers, to the end of the connection), connection reuse, an instance that
+closed a pooled connection, refused connections and bodies cut short."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+
+import pytest
+
+from kvconnect.router.upstream import Unreachable, UpstreamBroken, UpstreamPool
+
+Reply = Callable[[bytes], bytes]
+
+
+@asynccontextmanager
+async def server(reply: Reply, close_after: int | None = None) -> AsyncIterator[dict[str, int]]:
+    """A server answering each request with `reply(body)`; counts connections and requests;
+    closes a connection after `close_after` answers on it."""
+    seen = {"connections": 0, "requests": 0}
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        seen["connections"] += 1
+        answered = 0
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = next(
+                    int(line.split(b":")[1])
+                    for line in head.split(b"\r\n")
+                    if line.lower().startswith(b"content-length:")
+                )
+                body = await reader.readexactly(length)
+                seen["requests"] += 1
+                writer.write(reply(body))
+                await writer.drain()
+                answered += 1
+                if close_after is not None and answered >= close_after:
+                    break
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        writer.close()
+
+    srv = await asyncio.start_server(handle, "127.0.0.1", 0)
+    seen["port"] = srv.sockets[0].getsockname()[1]
+    async with srv:
+        yield seen
+
+
+def length_reply(body: bytes) -> bytes:
+    out = b'{"echo": ' + body + b"}"
+    return (
+        b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+        % (len(out))
+        + out
+    )
+
+
+def chunked_reply(body: bytes) -> bytes:
+    parts = [b"data: 1\n\n", body, b"data: [DONE]\n\n"]
+    framed = b"".join(b"%x;ext=1\r\n" % len(p) + p + b"\r\n" for p in parts)
+    return (
+        b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+        + framed
+        + b"0\r\nX-Trailer: t\r\n\r\n"
+    )
+
+
+def run(coro: object) -> None:
+    asyncio.run(coro)  # type: ignore[arg-type]
+
+
+def test_known_length_answers_reuse_one_connection() -> None:
+    async def main() -> None:
+        pool = UpstreamPool()
+        async with server(length_reply) as seen:
+            url = f"http://127.0.0.1:{seen['port']}"
+            for i in range(5):
+                resp = await pool.post(url, "/v1/completions", b"%d" % i)
+                assert (resp.status, resp.content_length) == (200, len(b'{"echo": 0}'))
+                assert resp.headers["content-type"] == "application/json"
+                assert await resp.read() == b'{"echo": %d}' % i
+                resp.release()
+            assert seen == {"connections": 1, "requests": 5, "port": seen["port"]}
+        await pool.close()
+
+    run(main())
+
+
+def test_chunked_answers_come_piece_by_piece_with_their_trailer_consumed() -> None:
+    async def main() -> None:
+        pool = UpstreamPool()
+        async with server(chunked_reply) as seen:
+            url = f"http://127.0.0.1:{seen['port']}"
+            for _ in range(3):  # the trailer is read: the next answer starts clean
+                resp = await pool.post(url, "/v1/completions", b"middle")
+                assert resp.chunked and resp.content_length is None
+                assert [p async for p in resp.iter_body()] == [
+                    b"data: 1\n\n",
+                    b"middle",
+                    b"data: [DONE]\n\n",
+                ]
+                resp.release()
+            assert seen["connections"] == 1
+        await pool.close()
+
+    run(main())
+
+
+def test_a_pooled_connection_the_instance_closed_is_retried_on_a_new_one() -> None:
+    async def main() -> None:
+        pool = UpstreamPool()
+        async with server(length_reply, close_after=1) as seen:
+            url = f"http://127.0.0.1:{seen['port']}"
+            for i in range(3):
+                resp = await pool.post(url, "/x", b"%d" % i)
+                assert await resp.read() == b'{"echo": %d}' % i
+                resp.release()
+            assert seen["connections"] == 3 and seen["requests"] == 3
+        await pool.close()
+
+    run(main())
+
+
+def test_a_refused_connection_is_unreachable() -> None:
+    async def main() -> None:
+        async with server(length_reply) as seen:
+            port = seen["port"]
+        with pytest.raises(Unreachable):
+            await UpstreamPool().post(f"http://127.0.0.1:{port}", "/x", b"1")
+
+    run(main())
+
+
+def test_an_answer_that_is_not_http_on_a_fresh_connection_is_unreachable() -> None:
+    async def main() -> None:
+        async with server(lambda _: b"SSH-2.0-nope\r\n\r\n") as seen:
+            with pytest.raises(Unreachable, match="not an HTTP"):
+                await UpstreamPool().post(f"http://127.0.0.1:{seen['port']}", "/x", b"1")
+
+    run(main())
+
+
+def test_a_body_cut_short_is_broken_and_its_connection_not_reused() -> None:
+    def cut(_: bytes) -> bytes:
+        return b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\nonly this"
+
+    async def main() -> None:
+        pool = UpstreamPool()
+        async with server(cut, close_after=1) as seen:
+            url = f"http://127.0.0.1:{seen['port']}"
+            resp = await pool.post(url, "/x", b"1")
+            with pytest.raises(UpstreamBroken, match="early"):
+                await resp.read()
+            resp.release()
+            assert pool._take(f"127.0.0.1:{seen['port']}") is None  # closed, not pooled
+        await pool.close()
+
+    run(main())
+
+
+def test_an_unread_answer_closes_its_connection() -> None:
+    async def main() -> None:
+        pool = UpstreamPool()
+        async with server(length_reply) as seen:
+            url = f"http://127.0.0.1:{seen['port']}"
+            resp = await pool.post(url, "/x", b"1")
+            resp.release()  # body never read: the connection cannot carry another answer
+            again = await pool.post(url, "/x", b"2")
+            assert await again.read() == b'{"echo": 2}'
+            again.release()
+            assert seen["connections"] == 2
+        await pool.close()
+
+    run(main())
