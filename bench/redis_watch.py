@@ -4,7 +4,7 @@ a bare redis-py pub/sub loop on the same notifications in the same run.
     notifications/s   chunks of 2 ranks, 20,000 keys evicted by an allkeys-lru maxmemory as
                       new keys are written: how fast the watcher turns them into removals
     lag p50/p99       from the SET that makes Redis evict one watched chunk's key to its
-                      BlockRemoved(EXTERNAL) decoded by a KVEventSubscriber, published through
+                      BlockRemoved(STORAGE/REMOTE) decoded by a KVEventSubscriber, published through
                       kvconnect's ZMQ publisher as soon as the watcher has it (an engine
                       publishes it at its next step: kvconnect serve steps at least every
                       0.2 s when a connector has pending work)
@@ -144,10 +144,14 @@ def lags(client: redis.Redis, url: str, samples: int = 200) -> list[float]:
                 if time.perf_counter() - t0 > 5:
                     raise AssertionError("the eviction was not seen")
             hashes = [h for _, ids in removed for h in ids]
-            pub.publish(KVEventBatch(time.time(), [BlockRemoved(hashes, "EXTERNAL")]))
+            pub.publish(
+                KVEventBatch(time.time(), [BlockRemoved(hashes, "STORAGE", locality="REMOTE")])
+            )
             item = sub.recv(timeout=5)
             assert isinstance(item, ReceivedBatch), item
-            assert item.batch.events == [BlockRemoved([i], "EXTERNAL")], item.batch.events
+            assert item.batch.events == [BlockRemoved([i], "STORAGE", locality="REMOTE")], (
+                item.batch.events
+            )
             out.append(time.perf_counter() - t0)
     finally:
         sub.close()

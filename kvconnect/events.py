@@ -32,11 +32,43 @@ MEDIUM_GPU = "GPU"
 """The engine's own paged KV cache."""
 MEDIUM_CPU = "CPU"
 """Host memory of the instance."""
+MEDIUM_STORAGE = "STORAGE"
+"""Storage beyond memory: a local disk (`LOCAL`) or a store several instances share (`REMOTE`)."""
+MEDIUMS = (MEDIUM_GPU, MEDIUM_CPU, MEDIUM_STORAGE)
+"""vLLM 0.33's mediums, all that kvconnect publishes."""
+LOCALITY_LOCAL = "LOCAL"
+"""The tier is the publisher's own (its disk)."""
+LOCALITY_REMOTE = "REMOTE"
+"""The tier is reached over the network, and may be shared (a Redis)."""
 MEDIUM_DISK = "DISK"
-"""Local disk of the instance."""
+"""Before vLLM 0.33 (and kvconnect before it): a local disk; read as STORAGE/LOCAL."""
 MEDIUM_EXTERNAL = "EXTERNAL"
-"""A store shared by several instances (e.g. Redis): reachable from each of them."""
-MEDIUMS = (MEDIUM_GPU, MEDIUM_CPU, MEDIUM_DISK, MEDIUM_EXTERNAL)
+"""Before vLLM 0.33 (and kvconnect before it): a shared store; read as STORAGE/REMOTE."""
+
+TIER_GPU = MEDIUM_GPU
+TIER_CPU = MEDIUM_CPU
+TIER_STORAGE_LOCAL = f"{MEDIUM_STORAGE}/{LOCALITY_LOCAL}"
+TIER_STORAGE_REMOTE = f"{MEDIUM_STORAGE}/{LOCALITY_REMOTE}"
+_LEGACY_TIERS = {MEDIUM_DISK: TIER_STORAGE_LOCAL, MEDIUM_EXTERNAL: TIER_STORAGE_REMOTE}
+_TIERS: dict[tuple[str | None, str | None], str] = {}
+
+
+def tier_of(medium: str | None, locality: str | None = None) -> str:
+    """The tier an event speaks of, as one label: its medium, `/LOCALITY` where it has one
+    ("STORAGE/REMOTE"); an unset medium is the engine's GPU cache, the older DISK and EXTERNAL
+    are STORAGE/LOCAL and STORAGE/REMOTE. Readers key by this, so old and new streams meet."""
+    key = (medium, locality)
+    tier = _TIERS.get(key)
+    if tier is None:
+        if medium is None or medium == MEDIUM_GPU:
+            tier = TIER_GPU if locality is None else f"{MEDIUM_GPU}/{locality}"
+        elif medium in _LEGACY_TIERS and locality is None:
+            tier = _LEGACY_TIERS[medium]
+        else:
+            tier = medium if locality is None else f"{medium}/{locality}"
+        if len(_TIERS) < 1024:  # a stream of made-up mediums cannot grow it without bound
+            _TIERS[key] = tier
+    return tier
 
 
 class EventDecodeError(ValueError):
@@ -243,11 +275,18 @@ def _event_from_raw(raw: Any) -> KVEvent:
 
 
 __all__ = [
+    "LOCALITY_LOCAL",
+    "LOCALITY_REMOTE",
     "MEDIUMS",
     "MEDIUM_CPU",
     "MEDIUM_DISK",
     "MEDIUM_EXTERNAL",
     "MEDIUM_GPU",
+    "MEDIUM_STORAGE",
+    "TIER_CPU",
+    "TIER_GPU",
+    "TIER_STORAGE_LOCAL",
+    "TIER_STORAGE_REMOTE",
     "AllBlocksCleared",
     "BlockRemoved",
     "BlockStored",

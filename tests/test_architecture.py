@@ -127,7 +127,7 @@ def test_only_the_vllm_package_imports_vllm() -> None:
 
 
 def test_router_imports_the_vocabulary_stream_and_api_only() -> None:
-    allowed_roots = {"router", "stream", "api"}
+    allowed_roots = {"router", "stream", "api", "__init__"}  # the root: its version, nothing heavy
     for name, imports in code_modules().items():
         if name.startswith("router."):
             outside = {

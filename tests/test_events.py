@@ -7,10 +7,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvconnect.events import (
+    LOCALITY_LOCAL,
+    LOCALITY_REMOTE,
     MEDIUM_CPU,
     MEDIUM_DISK,
     MEDIUM_EXTERNAL,
     MEDIUM_GPU,
+    MEDIUM_STORAGE,
+    MEDIUMS,
+    TIER_CPU,
+    TIER_GPU,
+    TIER_STORAGE_LOCAL,
+    TIER_STORAGE_REMOTE,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -18,6 +26,7 @@ from kvconnect.events import (
     KVEventBatch,
     decode_batch,
     encode_batch,
+    tier_of,
 )
 
 
@@ -123,7 +132,7 @@ def full_stored() -> BlockStored:
         token_ids=list(range(32)),
         block_size=16,
         lora_id=3,
-        medium=MEDIUM_DISK,
+        medium=MEDIUM_STORAGE,
         lora_name="sql",
         extra_keys=[("sql", "salt"), ("sql",)],
         group_idx=1,
@@ -142,7 +151,7 @@ def test_round_trip_every_field(legacy: bool) -> None:
         123.25,
         [
             full_stored(),
-            BlockRemoved([5, 2**63], MEDIUM_EXTERNAL, group_idx=2, locality="REMOTE"),
+            BlockRemoved([5, 2**63], MEDIUM_STORAGE, group_idx=2, locality="REMOTE"),
             AllBlocksCleared(),
         ],
         7,
@@ -218,12 +227,44 @@ def test_tolerates_mixed_event_shapes_and_map_batch() -> None:
 def test_unknown_medium_strings_decode() -> None:
     ev = {"type": "BlockRemoved", "block_hashes": [1], "medium": "cuda:0"}
     assert decode_batch(enc([1.0, [ev]])).events[0] == BlockRemoved([1], "cuda:0")
-    assert (MEDIUM_GPU, MEDIUM_CPU, MEDIUM_DISK, MEDIUM_EXTERNAL) == (
+    assert (MEDIUM_GPU, MEDIUM_CPU, MEDIUM_STORAGE, LOCALITY_LOCAL, LOCALITY_REMOTE) == (
         "GPU",
         "CPU",
-        "DISK",
-        "EXTERNAL",
+        "STORAGE",
+        "LOCAL",
+        "REMOTE",
     )
+    assert MEDIUMS == ("GPU", "CPU", "STORAGE")  # what kvconnect publishes (vLLM 0.33's)
+    assert (MEDIUM_DISK, MEDIUM_EXTERNAL) == ("DISK", "EXTERNAL")  # older streams, read only
+
+
+def test_tier_of_names_each_tier_once_old_words_and_new() -> None:
+    assert (TIER_GPU, TIER_CPU, TIER_STORAGE_LOCAL, TIER_STORAGE_REMOTE) == (
+        "GPU",
+        "CPU",
+        "STORAGE/LOCAL",
+        "STORAGE/REMOTE",
+    )
+    cases = [
+        ((None, None), "GPU"),  # the engine's own cache, medium unset
+        (("GPU", None), "GPU"),
+        (("CPU", None), "CPU"),
+        (("STORAGE", "LOCAL"), "STORAGE/LOCAL"),
+        (("STORAGE", "REMOTE"), "STORAGE/REMOTE"),
+        (("STORAGE", None), "STORAGE"),  # either: a tier of its own
+        (("DISK", None), "STORAGE/LOCAL"),  # kvconnect before 0.2
+        (("EXTERNAL", None), "STORAGE/REMOTE"),
+        (("cuda:0", None), "cuda:0"),  # unknown: kept as it is
+        (("NVME", "LOCAL"), "NVME/LOCAL"),
+        (("CPU", "REMOTE"), "CPU/REMOTE"),
+    ]
+    for (medium, locality), tier in cases:
+        assert tier_of(medium, locality) == tier, (medium, locality)
+        assert tier_of(medium, locality) == tier  # the same again (it is cached)
+    assert tier_of("CPU") == "CPU" and tier_of(None) == "GPU"  # locality defaults to None
+    # Many made-up mediums: each still named right once the cache is full.
+    assert all(tier_of(f"M{i}", "REMOTE") == f"M{i}/REMOTE" for i in range(2000))
+    assert tier_of("DISK", None) == "STORAGE/LOCAL"
 
 
 @pytest.mark.parametrize(

@@ -23,7 +23,15 @@ from kvconnect.connector.offload.common import (
 )
 from kvconnect.connector.offload.scheduler import OffloadScheduler
 from kvconnect.connector.offload.worker import OffloadWorker
-from kvconnect.events import MEDIUM_CPU, MEDIUM_EXTERNAL, BlockRemoved, BlockStored, KVCacheEvent
+from kvconnect.events import (
+    MEDIUMS,
+    TIER_CPU,
+    TIER_STORAGE_REMOTE,
+    BlockRemoved,
+    BlockStored,
+    KVCacheEvent,
+    tier_of,
+)
 from kvconnect.hashing import block_hashes
 from kvconnect.messages import (
     KVConnectorOutput,
@@ -130,13 +138,20 @@ class Halves:
         self.events += self.scheduler.take_events()
         return meta
 
-    def count(self, kind: type[KVCacheEvent], medium: str) -> int:
-        return sum(isinstance(e, kind) and e.medium == medium for e in self.events)
+    def count(self, kind: type[KVCacheEvent], tier: str) -> int:
+        """Events of `kind` in `tier` ("STORAGE/REMOTE"), said in vLLM 0.33's words (the
+        older DISK and EXTERNAL never match)."""
+        return sum(
+            isinstance(e, kind)
+            and e.medium in MEDIUMS  # type: ignore[union-attr]
+            and tier_of(e.medium, e.locality) == tier  # type: ignore[union-attr]
+            for e in self.events
+        )
 
     def step_until_redis_drops_one(self) -> None:
         """Idle steps until the scheduler announced that Redis dropped a chunk (its ttl)."""
         deadline = time.monotonic() + 10
-        while not self.count(BlockRemoved, MEDIUM_EXTERNAL):
+        while not self.count(BlockRemoved, TIER_STORAGE_REMOTE):
             assert time.monotonic() < deadline, "redis never expired the chunk"
             time.sleep(0.02)
             self.step()
@@ -159,7 +174,9 @@ def test_every_field_of_the_step_metadata_reaches_the_worker_in_the_engines_type
     try:
         halves.step(new_requests(("a", a)))
         assert (
-            halves.count(BlockStored, MEDIUM_CPU) == halves.count(BlockStored, MEDIUM_EXTERNAL) == 1
+            halves.count(BlockStored, TIER_CPU)
+            == halves.count(BlockStored, TIER_STORAGE_REMOTE)
+            == 1
         )
         halves.step_until_redis_drops_one()
         # One step with all of it: a load (b finds a's chunk in the cpu tier), a save (c's
@@ -199,10 +216,10 @@ def test_a_chunk_redis_dropped_is_written_again_by_its_next_save(fresh_redis: Lo
     halves = Halves([{"kind": "redis", "url": fresh_redis.url, "ttl_s": 0.2}])
     try:
         halves.step(new_requests(("a", a)))
-        assert halves.count(BlockStored, MEDIUM_EXTERNAL) == 1
+        assert halves.count(BlockStored, TIER_STORAGE_REMOTE) == 1
         halves.step_until_redis_drops_one()
         meta = halves.step(new_requests(("a2", a)))
         assert meta.shared_gone == [block_hashes(a, BS)[1]] and len(meta.saves) == 1
-        assert halves.count(BlockStored, MEDIUM_EXTERNAL) == 2  # written and announced again
+        assert halves.count(BlockStored, TIER_STORAGE_REMOTE) == 2  # written and announced again
     finally:
         halves.close()

@@ -29,7 +29,7 @@ import pytest
 
 from kvconnect.commands.redis_server import LocalRedis
 from kvconnect.connector.offload.common import OffloadMetadata, OffloadWorkerMetadata
-from kvconnect.events import BlockRemoved, BlockStored, KVCacheEvent
+from kvconnect.events import MEDIUMS, BlockRemoved, BlockStored, KVCacheEvent, tier_of
 from kvconnect.stream.subscriber import KVEventSubscriber, ReceivedBatch
 from tests_vllm.conftest import VllmServer, post_json, start_router
 from tests_vllm.test_serve import wait_until
@@ -52,6 +52,12 @@ def offload(tiers: list[dict[str, Any]], by_name: bool = False) -> dict[str, Any
     return config
 
 
+def in_tier(e: BlockStored | BlockRemoved, tier: str) -> bool:
+    """`e` speaks of `tier` (a label of `events.tier_of`) with a medium of vLLM 0.33 (the
+    older DISK and EXTERNAL, which readers still take, never match)."""
+    return e.medium in MEDIUMS and tier_of(e.medium, e.locality) == tier
+
+
 class Events:
     """Every event of a server's stream, collected on a thread."""
 
@@ -68,13 +74,14 @@ class Events:
                 with self.lock:
                     self.items.extend(item.batch.events)
 
-    def stored(self, medium: str) -> list[BlockStored]:
+    def stored(self, tier: str) -> list[BlockStored]:
+        """BlockStored events of `tier` ("CPU", "STORAGE/REMOTE"), in vLLM 0.33's words."""
         with self.lock:
-            return [e for e in self.items if isinstance(e, BlockStored) and e.medium == medium]
+            return [e for e in self.items if isinstance(e, BlockStored) and in_tier(e, tier)]
 
-    def removed(self, medium: str) -> list[BlockRemoved]:
+    def removed(self, tier: str) -> list[BlockRemoved]:
         with self.lock:
-            return [e for e in self.items if isinstance(e, BlockRemoved) and e.medium == medium]
+            return [e for e in self.items if isinstance(e, BlockRemoved) and in_tier(e, tier)]
 
     def close(self) -> None:
         self.sub.close()
@@ -227,7 +234,7 @@ def test_a_prompt_pushed_out_of_vllm_comes_back_from_the_cpu_tier(
 
 
 def test_tier_events_come_in_vllms_stream_once_each_with_vllms_hashes(a_events: Events) -> None:
-    wait_until(lambda: len(a_events.stored("EXTERNAL")) >= 24, "a's 24 chunks reach redis")
+    wait_until(lambda: len(a_events.stored("STORAGE/REMOTE")) >= 24, "a's 24 chunks reach redis")
     cpu = a_events.stored("CPU")
     hashes = chunk_hashes(cpu)
     assert len(hashes) == len(set(hashes)) == 24  # the reload stored nothing twice
@@ -237,7 +244,7 @@ def test_tier_events_come_in_vllms_stream_once_each_with_vllms_hashes(a_events: 
         assert len(e.block_hashes) == CHUNK // BLOCK
         assert set(e.block_hashes) <= gpu  # the very hashes vLLM published for its blocks
         assert e.parent_block_hash == (cpu[i - 1].block_hashes[-1] if i else None)
-    external = chunk_hashes(a_events.stored("EXTERNAL"))
+    external = chunk_hashes(a_events.stored("STORAGE/REMOTE"))
     assert sorted(external, key=repr) == sorted(hashes, key=repr)  # written through, once each
 
 
@@ -249,7 +256,7 @@ def test_evicted_chunks_are_announced_and_demoted_to_disk(
         assert complete(a, prompt(seed))[0] == complete(plain, prompt(seed))[0]
     wait_until(lambda: len(a_events.removed("CPU")) >= 8, "8 chunks leave the cpu tier")
     removed = [tuple(e.block_hashes) for e in a_events.removed("CPU")]
-    on_disk = chunk_hashes(a_events.stored("DISK"))
+    on_disk = chunk_hashes(a_events.stored("STORAGE/LOCAL"))
     assert len(removed) == len(set(removed)) == 8
     assert removed == on_disk  # each evicted chunk went down to disk, in order
     # Least recently used first: the first prompt was read back since, so the first two
@@ -280,7 +287,7 @@ def test_a_second_server_loads_from_the_shared_redis_inside_a_multiconnector(
     # Both children's events arrive in b's stream: the cpu child stored what was loaded,
     # the redis child wrote it through again.
     wait_until(lambda: len(b_events.stored("CPU")) >= 4, "b's cpu child announces 4 chunks")
-    wait_until(lambda: len(b_events.stored("EXTERNAL")) >= 4, "b's redis child announces 4")
+    wait_until(lambda: len(b_events.stored("STORAGE/REMOTE")) >= 4, "b's redis child announces 4")
 
 
 def test_the_router_sends_a_prompt_to_the_server_whose_tiers_hold_it(

@@ -52,12 +52,17 @@ async def access_and_errors(request: web.Request, handler: Handler) -> web.Strea
             ApiError("internal error", status=500, type_="internal_error").body(), status=500
         )
     finally:
-        where = request.get("instance")
-        access_log.info(
-            "%s %s %d %.1fms%s",
-            request.method,
-            request.path,
-            status,
-            (time.monotonic() - start) * 1000,
-            f" -> {where}" if where else "",
-        )
+        if access_log.isEnabledFor(logging.INFO):
+            _log_access(request, status, start)
+
+
+def _log_access(request: web.Request, status: int, start: float) -> None:
+    where = request.get("instance")
+    access_log.info(
+        "%s %s %d %.1fms%s",
+        request.method,
+        request.path,
+        status,
+        (time.monotonic() - start) * 1000,
+        f" -> {where}" if where else "",
+    )

@@ -4,25 +4,43 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
+import logging
 from collections.abc import Coroutine
 from typing import Any
 
 from kvconnect.commands.startup import check_port_free
+from kvconnect.events import tier_of
 from kvconnect.router.core import Instance, Router
-from kvconnect.router.index import BlockIndex
+from kvconnect.router.index import DEFAULT_TIER_WEIGHTS, BlockIndex
 from kvconnect.router.server import serve_router
 from kvconnect.tokenizer import load_tokenizer
 
 
 def parse_tier_weights(text: str) -> dict[str, float]:
-    """`--tier-weights MEDIUM=WEIGHT,...`."""
-    try:
-        return {m: float(w) for m, w in (p.split("=") for p in text.split(","))}
-    except ValueError:
-        raise ValueError(f"--tier-weights {text!r}: expected MEDIUM=WEIGHT,...") from None
+    """`--tier-weights TIER=WEIGHT,...` over the defaults. A tier is a medium, optionally
+    with its locality (`GPU`, `CPU`, `STORAGE/LOCAL`, `STORAGE/REMOTE`, `STORAGE`); the older
+    `DISK` and `EXTERNAL` name the STORAGE ones."""
+    weights = dict(DEFAULT_TIER_WEIGHTS)
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, sep, value = part.partition("=")
+        medium, _, locality = name.strip().upper().partition("/")
+        try:
+            weight = float(value)
+        except ValueError:
+            weight = -1.0
+        if not sep or not medium or not 0.0 <= weight < float("inf"):
+            raise ValueError(
+                f"--tier-weights: {part!r} is not TIER=WEIGHT with a weight >= 0 "
+                "(e.g. GPU=1,CPU=0.8,STORAGE/LOCAL=0.5,STORAGE/REMOTE=0.3)"
+            )
+        weights[tier_of(medium, locality or None)] = weight
+    return weights
 
 
 def run_router_command(args: argparse.Namespace) -> int:
+    if not args.access_log:
+        logging.getLogger("kvconnect.access").setLevel(logging.WARNING)
     instances = [Instance.parse(spec) for spec in args.instance]
     weights = parse_tier_weights(args.tier_weights)
     check_port_free(args.host, args.port, "--port")
@@ -35,6 +53,7 @@ def run_router_command(args: argparse.Namespace) -> int:
         tier_weights=weights,
     )
     router = Router(instances, index, tokenizer, args.load_weight).start()
+    gc.freeze()  # what start-up made lives as long as the process: no collection walks it again
     return run_event_loop(serve_router(router, args.host, args.port))
 
 

@@ -15,11 +15,12 @@ starts no server and never imports torch.
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 from collections import Counter
 from dataclasses import dataclass
+
+import msgspec
 
 from kvconnect.api.protocol import ApiError, ChatCompletionRequest, CompletionRequest
 from kvconnect.router.health import HealthChecker
@@ -29,6 +30,22 @@ from kvconnect.stream.subscriber import KVEventSubscriber, ReceivedBatch, Stream
 from kvconnect.tokenizer import ChatTemplateError, Tokenizer
 
 logger = logging.getLogger(__name__)
+
+
+class _Details(msgspec.Struct):
+    cached_tokens: int | None = 0
+
+
+class _Usage(msgspec.Struct):
+    prompt_tokens_details: _Details | None = None
+
+
+class _Answer(msgspec.Struct):
+    usage: _Usage | None = None
+
+
+_USAGE = msgspec.json.Decoder(_Answer)
+"""An answer's usage alone (the rest of the body is skipped in C)."""
 
 StaleCheck = tuple[list[int], str | None]
 """(prompt token ids, cache salt): what to check an answer's cached tokens against."""
@@ -181,10 +198,11 @@ class Router:
         it: fewer means the index holds entries the instance no longer has
         (`BlockIndex.mark_stale`)."""
         try:
-            usage = json.loads(body).get("usage") or {}
-            cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
-        except (ValueError, TypeError, AttributeError):
+            usage = _USAGE.decode(body).usage
+        except (msgspec.DecodeError, msgspec.ValidationError):
             return
+        details = usage.prompt_tokens_details if usage is not None else None
+        cached = (details.cached_tokens or 0) if details is not None else 0
         if cached < score.num_tokens:
             with self.lock:
                 dropped = self.index.mark_stale(name, check[0], cached, check[1])

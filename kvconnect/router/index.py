@@ -1,7 +1,12 @@
 """Which instance holds which block, in which tier, built from the instances' KV event streams.
 
-    entries:  block key -> (instance slot, generation, medium)    one holder, count 1
-                           | {(instance slot, generation, medium): count}   (LRU ordered)
+    entries:  block key -> (instance slot, generation, tier)    one holder, count 1
+                           | {(instance slot, generation, tier): count}   (LRU ordered)
+
+A tier is an event's medium and locality as one label (`events.tier_of`): GPU, CPU,
+STORAGE/LOCAL, STORAGE/REMOTE (vLLM 0.33's words; the older DISK and EXTERNAL read as the
+STORAGE ones). Weights are per tier; a medium the router does not know counts
+`UNKNOWN_TIER_WEIGHT`, with one warning naming it.
 
 An instance is named once, when it is registered (`add_instance`; the router uses its URL), and
 that one name is used by the index, the scorer, metrics and logs.
@@ -10,7 +15,8 @@ that one name is used by the index, the scorer, metrics and logs.
 - Each instance's events are applied in its seq order (the subscriber guarantees it).
 - Clearing an instance (AllBlocksCleared, a publisher restart, lost events) bumps its
   generation: O(1), old entries stop counting and are swept lazily.
-- `EXTERNAL` blocks (a store shared by the instances, e.g. Redis) count for every instance.
+- `STORAGE/REMOTE` blocks (a store shared by the instances, e.g. Redis) count for every
+  instance.
 - A cap on entries evicts the least recently stored hashes (counted).
 
 Per instance, the index learns from the stream (see `schemes.py`) its block size and its hash
@@ -36,15 +42,17 @@ from collections.abc import Iterable, KeysView, Sequence
 from dataclasses import dataclass, field
 
 from kvconnect.events import (
-    MEDIUM_CPU,
-    MEDIUM_DISK,
-    MEDIUM_EXTERNAL,
-    MEDIUM_GPU,
+    MEDIUM_STORAGE,
+    TIER_CPU,
+    TIER_GPU,
+    TIER_STORAGE_LOCAL,
+    TIER_STORAGE_REMOTE,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     ExternalBlockHash,
     KVEventBatch,
+    tier_of,
 )
 from kvconnect.hashing import DEFAULT_ALGORITHM
 from kvconnect.router.schemes import (
@@ -65,9 +73,17 @@ from kvconnect.stream.subscriber import (
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_TIER_WEIGHTS = {MEDIUM_GPU: 1.0, MEDIUM_CPU: 0.8, MEDIUM_DISK: 0.5, MEDIUM_EXTERNAL: 0.3}
+DEFAULT_TIER_WEIGHTS = {
+    TIER_GPU: 1.0,
+    TIER_CPU: 0.8,
+    TIER_STORAGE_LOCAL: 0.5,
+    TIER_STORAGE_REMOTE: 0.3,
+    MEDIUM_STORAGE: 0.3,  # STORAGE with no locality: it may be either
+}
+UNKNOWN_TIER_WEIGHT = 0.1
+"""A tier no weight names: some credit (it holds the block somewhere), less than any known."""
 
-Key = tuple[int, int, str]  # (instance slot, generation, medium)
+Key = tuple[int, int, str]  # (instance slot, generation, tier)
 
 
 @dataclass
@@ -127,9 +143,9 @@ class IndexStats:
     unmatched_removals: int = 0
     hash_mismatches: int = 0
     removed: Counter[str] = field(default_factory=Counter)
-    """Entries taken back by BlockRemoved events, per medium."""
+    """Entries taken back by BlockRemoved events, per tier."""
     stale: Counter[str] = field(default_factory=Counter)
-    """Entries found stale by a load miss (`mark_stale`), per medium: what an instance lost
+    """Entries found stale by a load miss (`mark_stale`), per tier: what an instance lost
     without an event saying so."""
 
 
@@ -157,6 +173,8 @@ class BlockIndex:
         )
         self.max_entries = max_entries
         self.tier_weights = dict(DEFAULT_TIER_WEIGHTS if tier_weights is None else tier_weights)
+        """Per tier label; `None` keys are not allowed (see `tier_of`)."""
+        self._warned_tiers: set[str] = set()
         self.external_shared = external_shared
         self.instances: dict[str, _Instance] = {}
         self._by_slot: list[_Instance] = []
@@ -236,7 +254,10 @@ class BlockIndex:
             keys = inst.router_keys.store(event)
         entries, stats, by_slot = self._entries, self.stats, self._by_slot
         move_to_end, max_entries = entries.move_to_end, self.max_entries
-        key = (inst.slot, inst.generation, event.medium or MEDIUM_GPU)
+        tier = tier_of(event.medium, event.locality)
+        if tier not in self.tier_weights:
+            self._unknown_tier(tier)
+        key = (inst.slot, inst.generation, tier)
         inst.num_blocks += len(keys)
         for h in keys:
             holders = entries.get(h)
@@ -256,9 +277,21 @@ class BlockIndex:
             else:
                 entries[h] = {holders: 1, key: 1}  # type: ignore[dict-item]
 
+    def _unknown_tier(self, tier: str) -> None:
+        """A tier no weight names: credited `UNKNOWN_TIER_WEIGHT`, said once per tier."""
+        if tier not in self._warned_tiers and len(self._warned_tiers) < 64:
+            self._warned_tiers.add(tier)
+            logger.warning(
+                "router: events name tier %r, which no --tier-weights entry names; "
+                "crediting it %.2f (known: %s)",
+                tier,
+                UNKNOWN_TIER_WEIGHT,
+                ", ".join(sorted(self.tier_weights)),
+            )
+
     def _apply_removed(self, inst: _Instance, event: BlockRemoved) -> None:
-        medium = event.medium or MEDIUM_GPU
-        key = (inst.slot, inst.generation, medium)
+        tier = tier_of(event.medium, event.locality)
+        key = (inst.slot, inst.generation, tier)
         entries, stats, router_keys = self._entries, self.stats, inst.router_keys
         removed = 0
         for h in event.block_hashes:
@@ -284,7 +317,7 @@ class BlockIndex:
                 removed += 1
                 self._sweep(mapped, holders)  # type: ignore[arg-type]
         if removed:
-            stats.removed[medium] += removed
+            stats.removed[tier] += removed
             inst.num_blocks -= removed
 
     def _sweep(self, h: ExternalBlockHash, holders: dict[Key, int]) -> None:
@@ -442,11 +475,11 @@ class BlockIndex:
             best: dict[int, tuple[float, str]] = {}
             shared: tuple[float, str] | None = None
             keys: Iterable[Key] = (holders,) if type(holders) is tuple else holders  # type: ignore[assignment]
-            for slot, gen, medium in keys:
+            for slot, gen, tier in keys:
                 if gens[slot] != gen:
                     continue
-                w = (weights.get(medium, 0.0), medium)
-                if medium == MEDIUM_EXTERNAL and shared_tier:
+                w = (weights.get(tier, UNKNOWN_TIER_WEIGHT), tier)
+                if tier == TIER_STORAGE_REMOTE and shared_tier:
                     if shared is None or w > shared:
                         shared = w
                 elif slot not in best or w > best[slot]:
@@ -477,10 +510,10 @@ class BlockIndex:
         """Credit each slot of a run of `run` blocks with its tier in that run."""
         if not run:
             return
-        for slot, (w, medium) in run_best.items():
+        for slot, (w, tier) in run_best.items():
             counts[slot] += run
             weighted[slot] += w * run
-            tiers[slot][medium] = tiers[slot].get(medium, 0) + run
+            tiers[slot][tier] = tiers[slot].get(tier, 0) + run
 
     def mark_stale(
         self,
@@ -492,7 +525,7 @@ class BlockIndex:
         """`instance` answered a request computing only `num_cached_tokens` of its prompt from
         cache, fewer than the index credited it with: the credited blocks after those are not
         there (a load miss; an eviction nobody announced). Drop its entries for them, and the
-        shared (EXTERNAL) ones, since a miss there means the store lost them. The prompt's
+        shared (STORAGE/REMOTE) ones, since a miss there means the store lost them. The prompt's
         last token is always computed, so its block is never counted against the instance.
         Returns the entries dropped."""
         inst = self.instances.get(instance)
@@ -511,33 +544,35 @@ class BlockIndex:
                 continue
             holders = self._entries[h] = self._holders(h)
             for key in list(holders):
-                slot, gen, medium = key
+                slot, gen, tier = key
                 mine = slot == inst.slot
                 if gens[slot] == gen and (
-                    mine or (medium == MEDIUM_EXTERNAL and self.external_shared)
+                    mine or (tier == TIER_STORAGE_REMOTE and self.external_shared)
                 ):
                     del holders[key]
-                    self.stats.stale[medium] += 1
+                    self.stats.stale[tier] += 1
                     dropped += 1
             self._sweep(h, holders)
         return dropped
 
-    def blocks_of(self, instance: str, medium: str) -> set[ExternalBlockHash]:
-        """Every block `instance` announced in `medium` and has not taken back (O(entries):
-        for tests and inspection, not the hot path)."""
+    def blocks_of(
+        self, instance: str, medium: str, locality: str | None = None
+    ) -> set[ExternalBlockHash]:
+        """Every block `instance` announced in (`medium`, `locality`) and has not taken back
+        (O(entries): for tests and inspection, not the hot path)."""
         inst = self.instances.get(instance)
         if inst is None:
             return set()
-        key = (inst.slot, inst.generation, medium)
+        key = (inst.slot, inst.generation, tier_of(medium, locality))
         return {h for h in self._entries if key in self._holders(h)}
 
     def holders(self, h: ExternalBlockHash) -> dict[str, set[str]]:
-        """The instances holding `h` and in which media (their own, not shared ones)."""
+        """The instances holding `h` and in which tiers (their own, not shared ones)."""
         out: dict[str, set[str]] = {}
-        for slot, gen, medium in self._holders(h):
+        for slot, gen, tier in self._holders(h):
             inst = self._by_slot[slot]
             if inst.generation == gen:
-                out.setdefault(inst.name, set()).add(medium)
+                out.setdefault(inst.name, set()).add(tier)
         return out
 
     def check_integrity(self) -> None:

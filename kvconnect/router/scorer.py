@@ -4,17 +4,18 @@
 
 `weighted_hit_tokens(i)` is the longest run of consecutive prefix blocks instance i can serve
 (at its own block size), each block's tokens weighted by its best tier (GPU 1.0, CPU 0.8,
-DISK 0.5, EXTERNAL 0.3 by default): roughly the prefill it saves. `load_weight` is how many
-tokens of prefill one request already in flight is worth (default 64). The lowest cost wins;
-ties go to the less loaded instance, then to the one holding fewer blocks (cold tenants spread
-over the instances' caches), then by rendezvous hashing of the request's `spread_key` (its
-first tokens) with each instance's name. Nothing in the choice depends on a replica's own
-history, so router replicas that follow the same streams decide alike. With nothing cached
-anywhere this is least-loaded routing.
+STORAGE/LOCAL 0.5, STORAGE/REMOTE 0.3 by default): roughly the prefill it saves. `load_weight`
+is how many tokens of prefill one request already in flight is worth (default 64). The lowest
+cost wins; ties go to the less loaded instance, then to the one holding fewer blocks (cold
+tenants spread over the instances' caches), then by rendezvous hashing of the request's
+`spread_key` (its first tokens) with each instance's name. Nothing in the choice depends on
+a replica's own history, so router replicas that follow the same streams decide alike. With
+nothing cached anywhere this is least-loaded routing.
 """
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -62,4 +63,9 @@ def choose(
 def spread_key(token_ids: Sequence[int]) -> int:
     """The request's tie-break key, from its first 64 tokens: requests that start alike go
     to one place when neither cache nor load decides (where their prefix will then be)."""
-    return xxhash.xxh3_64_intdigest(repr(list(token_ids[:64])).encode())
+    head = token_ids[:64]
+    try:
+        data = array("I", head).tobytes()  # 4 bytes a token: a copy in C, no text
+    except (OverflowError, TypeError):  # not what a tokenizer makes; still a key
+        data = repr(list(head)).encode()
+    return xxhash.xxh3_64_intdigest(data)

@@ -6,7 +6,8 @@ longer holds, or rebuilt its index can get the whole current state of the instan
 cached blocks and its tiers' contents, as BlockStored events, fenced by the seq they are current
 at. Applying the stream's later batches to the snapshot gives the truth again.
 
-Blocks are counted per (medium, block hash): a BlockStored adds one per hash, a BlockRemoved
+Blocks are counted per (medium, locality, block hash): a disk and a Redis are both STORAGE, one
+LOCAL and one REMOTE, and each holds its own copy. a BlockStored adds one per hash, a BlockRemoved
 takes one away, AllBlocksCleared (vLLM's, unscoped) forgets everything. A snapshot re-emits each
 still-held block with the fields of the BlockStored that first announced it, consecutive held
 blocks of one event as one event, and a block held twice (two blocks with one hash) twice.
@@ -20,15 +21,19 @@ from msgspec.structs import replace
 
 from kvconnect.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 
+_Where = tuple[str | None, str | None]
+"""(medium, locality) of a tier."""
+
 
 class StreamState:
     def __init__(self) -> None:
         self.seq = -1
         """The last seq applied (-1: none)."""
-        self._media: dict[str | None, dict[int | bytes, BlockStored]] = {}
-        """medium -> hash -> the BlockStored that announced it (no allocation per block)."""
-        self._extra: Counter[tuple[str | None, int | bytes]] = Counter()
-        """(medium, hash) held more than once: the copies beyond the first."""
+        self._media: dict[_Where, dict[int | bytes, BlockStored]] = {}
+        """(medium, locality) -> hash -> the BlockStored that announced it (no allocation per
+        block)."""
+        self._extra: Counter[tuple[_Where, int | bytes]] = Counter()
+        """(where, hash) held more than once: the copies beyond the first."""
 
     def __len__(self) -> int:
         return sum(len(held) for held in self._media.values())
@@ -38,21 +43,23 @@ class StreamState:
         for ev in batch.events:
             kind = type(ev)
             if kind is BlockStored:
-                held = media.get(ev.medium)  # type: ignore[union-attr]
+                where = (ev.medium, ev.locality)  # type: ignore[union-attr]
+                held = media.get(where)
                 if held is None:
-                    held = media[ev.medium] = {}  # type: ignore[union-attr]
+                    held = media[where] = {}
                 for h in ev.block_hashes:  # type: ignore[union-attr]
                     if h in held:
-                        extra[(ev.medium, h)] += 1  # type: ignore[union-attr]
+                        extra[(where, h)] += 1
                     else:
                         held[h] = ev  # type: ignore[assignment]
             elif kind is BlockRemoved:
-                held = media.get(ev.medium)  # type: ignore[union-attr]
+                where = (ev.medium, ev.locality)  # type: ignore[union-attr]
+                held = media.get(where)
                 if held is None:
                     continue
                 for h in ev.block_hashes:  # type: ignore[union-attr]
-                    if extra and (ev.medium, h) in extra:  # type: ignore[union-attr]
-                        key = (ev.medium, h)  # type: ignore[union-attr]
+                    if extra and (where, h) in extra:
+                        key = (where, h)
                         extra[key] -= 1
                         if not extra[key]:
                             del extra[key]
@@ -66,7 +73,7 @@ class StreamState:
     def events(self) -> list[BlockStored]:
         """The held blocks as BlockStored events (parents before children within an event)."""
         out: list[BlockStored] = []
-        for medium, held in self._media.items():
+        for where, held in self._media.items():
             by_event: dict[int, tuple[BlockStored, list[int | bytes]]] = {}
             for h, ev in held.items():
                 by_event.setdefault(id(ev), (ev, []))[1].append(h)
@@ -81,18 +88,18 @@ class StreamState:
                     prev = i
                 out.append(_part(ev, start, prev + 1))
             for (m, h), n in self._extra.items():
-                if m == medium and h in held:
+                if m == where and h in held:
                     ev = held[h]
                     i = ev.block_hashes.index(h)
                     out.extend(_part(ev, i, i + 1) for _ in range(n))
         return out
 
     def check_integrity(self) -> None:
-        for medium, held in self._media.items():
+        for where, held in self._media.items():
             for h, ev in held.items():
-                assert ev.medium == medium and h in ev.block_hashes
-        for (medium, h), n in self._extra.items():
-            assert n >= 1 and h in self._media.get(medium, {}), "a copy of a block not held"
+                assert (ev.medium, ev.locality) == where and h in ev.block_hashes
+        for (where, h), n in self._extra.items():
+            assert n >= 1 and h in self._media.get(where, {}), "a copy of a block not held"
 
 
 def _part(ev: BlockStored, start: int, end: int) -> BlockStored:

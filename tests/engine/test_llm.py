@@ -251,7 +251,7 @@ def test_worker_connector_events_reach_the_stream_once_across_tp_processes() -> 
             "kv_connector": "WorkerEventsConnector",
             "kv_role": "kv_both",
             "kv_connector_module_path": MODULE,
-            "kv_connector_extra_config": {"medium": "DISK", "lagging_rank": 1},
+            "kv_connector_extra_config": {"medium": "STORAGE", "lagging_rank": 1},
         }
         with LLM(
             "tiny",
@@ -266,7 +266,7 @@ def test_worker_connector_events_reach_the_stream_once_across_tp_processes() -> 
             llm.generate([prompt], SamplingParams(max_tokens=2, ignore_eos=True))
             disk = []
             for item in read_through(sub, llm.publisher):
-                disk += [e for e in item.batch.events if e.medium == "DISK"]  # type: ignore[union-attr]
+                disk += [e for e in item.batch.events if e.medium == "STORAGE"]  # type: ignore[union-attr]
             sub.close()
             llm.scheduler.check_integrity()
             assert llm.scheduler.pool.num_free_blocks == llm.scheduler.pool.num_blocks

@@ -21,9 +21,15 @@ import redis
 from kvconnect import LLM, SamplingParams
 from kvconnect.commands.redis_server import LocalRedis
 from kvconnect.connector.offload.tiers.disk import SUFFIX, DiskTier
-from kvconnect.events import MEDIUM_DISK, MEDIUM_EXTERNAL, BlockRemoved, BlockStored
+from kvconnect.events import (
+    TIER_CPU,
+    TIER_STORAGE_LOCAL,
+    TIER_STORAGE_REMOTE,
+    BlockRemoved,
+    BlockStored,
+)
 from tests.conftest import start_redis
-from tests.connector.offload.test_redis_removals import Instance, redis_blocks
+from tests.connector.offload.test_redis_removals import Instance, in_tier, redis_blocks
 
 GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
 rng = random.Random(13)
@@ -37,13 +43,13 @@ def reference() -> list[list[int]]:
         return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
 
 
-def held(inst: Instance, medium: str) -> Counter[Any]:
-    """What the published events say `medium` holds, per block hash."""
+def held(inst: Instance, tier: str) -> Counter[Any]:
+    """What the published events say `tier` ("STORAGE/LOCAL", ...) holds, per block hash."""
     counts: Counter[Any] = Counter()
     for ev in inst.events:
-        if isinstance(ev, BlockStored) and ev.medium == medium:
+        if isinstance(ev, BlockStored) and in_tier(ev, tier):
             counts.update(ev.block_hashes)
-        elif isinstance(ev, BlockRemoved) and ev.medium == medium:
+        elif isinstance(ev, BlockRemoved) and in_tier(ev, tier):
             counts.subtract(ev.block_hashes)
     return +counts
 
@@ -95,7 +101,7 @@ def test_redis_failing_while_loads_read_it_changes_no_output(
     replacement: list[LocalRedis] = []
     try:
         assert run_round(inst, reference) == 0  # everything stored
-        assert held(inst, MEDIUM_EXTERNAL)
+        assert held(inst, TIER_STORAGE_REMOTE)
         pid = server.proc.pid
 
         def act() -> None:
@@ -121,7 +127,7 @@ def test_redis_failing_while_loads_read_it_changes_no_output(
             # what this round stored again is announced anew.
             run_round(inst, reference)
             client = redis.Redis(port=server.port)
-            inst.until(lambda: set(held(inst, MEDIUM_EXTERNAL)) == redis_blocks(client))
+            inst.until(lambda: set(held(inst, TIER_STORAGE_REMOTE)) == redis_blocks(client))
             assert redis_blocks(client)
         else:
             run_round(inst, reference)  # still no Redis: recompute, same output
@@ -158,12 +164,14 @@ def test_disk_chunks_corrupted_under_a_running_engine_are_dropped_and_recomputed
                 f.write_bytes(blob)
         run_round(inst, reference)
         assert load_errors(inst) >= 1
-        removed = sum(isinstance(e, BlockRemoved) and e.medium == MEDIUM_DISK for e in inst.events)
+        removed = sum(
+            isinstance(e, BlockRemoved) and in_tier(e, TIER_STORAGE_LOCAL) for e in inst.events
+        )
         assert removed >= 1  # each bad chunk is announced gone
         run_round(inst, reference)
     finally:
         inst.close()
-    assert held(inst, MEDIUM_DISK) == disk_contents(root)
+    assert held(inst, TIER_STORAGE_LOCAL) == disk_contents(root)
 
 
 def test_a_full_disk_changes_no_output_and_the_events_say_what_it_holds(
@@ -180,8 +188,8 @@ def test_a_full_disk_changes_no_output_and_the_events_say_what_it_holds(
         run_round(inst, reference)
     finally:
         inst.close()
-    assert held(inst, MEDIUM_DISK) == disk_contents(root)
-    assert 0 < len(held(inst, MEDIUM_DISK)) < 21 * 2
+    assert held(inst, TIER_STORAGE_LOCAL) == disk_contents(root)
+    assert 0 < len(held(inst, TIER_STORAGE_LOCAL)) < 21 * 2
 
 
 def test_a_cpu_budget_below_one_chunk_runs_without_that_tier(
@@ -191,6 +199,6 @@ def test_a_cpu_budget_below_one_chunk_runs_without_that_tier(
     try:
         assert run_round(inst, reference) == 0
         assert run_round(inst, reference) == 0  # nothing stored, nothing loaded
-        assert not held(inst, "CPU")
+        assert not held(inst, TIER_CPU)
     finally:
         inst.close()

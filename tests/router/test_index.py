@@ -18,9 +18,23 @@ HASHES = [to_wire(h) for h in block_hashes(TOKENS, BS)]
 
 
 def stored(
-    hashes: list[int], medium: str = "GPU", tokens: list[int] | None = None, parent: int | None = 1
+    hashes: list[int],
+    medium: str = "GPU",
+    tokens: list[int] | None = None,
+    parent: int | None = 1,
+    locality: str | None = None,
 ) -> BlockStored:
-    return BlockStored(hashes, parent, tokens or [], BS, None, medium, None)
+    return BlockStored(hashes, parent, tokens or [], BS, None, medium, None, locality=locality)
+
+
+def local(hashes: list[int], **kw: object) -> BlockStored:
+    """Held on the instance's own disk, as vLLM 0.33 says it."""
+    return stored(hashes, "STORAGE", locality="LOCAL", **kw)  # type: ignore[arg-type]
+
+
+def remote(hashes: list[int], **kw: object) -> BlockStored:
+    """Held in a store the instances share (Redis), as vLLM 0.33 says it."""
+    return stored(hashes, "STORAGE", locality="REMOTE", **kw)  # type: ignore[arg-type]
 
 
 def batch(*events: object) -> KVEventBatch:
@@ -41,22 +55,111 @@ def test_longest_consecutive_prefix_per_instance_with_tier_weights() -> None:
 
 def test_best_tier_counts_and_shared_external_tier_serves_everyone() -> None:
     idx = BlockIndex(BS)
-    idx.apply_batch(A, batch(stored(HASHES[:3], "DISK"), stored(HASHES[:1], "GPU")))
-    idx.apply_batch(B, batch(stored(HASHES[:3], "EXTERNAL")))
+    idx.apply_batch(A, batch(local(HASHES[:3]), stored(HASHES[:1], "GPU")))
+    idx.apply_batch(B, batch(remote(HASHES[:3])))
     scores = idx.score_hashes(HASHES)
     assert scores[A].weighted == pytest.approx(1.0 + 0.5 + 0.5)
     assert scores[B].weighted == pytest.approx(0.9) and scores[B].num_blocks == 3
     private = BlockIndex(BS, external_shared=False)
-    private.apply_batch(B, batch(stored(HASHES[:3], "EXTERNAL")))
+    private.apply_batch(B, batch(remote(HASHES[:3])))
     private.apply_batch(A, batch(stored(HASHES[:1], "GPU")))
     assert private.score_hashes(HASHES)[B].num_blocks == 3  # its own store
     assert private.score_hashes(HASHES)[A].num_blocks == 1  # B's store is not A's
     shared = BlockIndex(BS)
-    shared.apply_batch(B, batch(stored(HASHES[:3], "EXTERNAL")))
+    shared.apply_batch(B, batch(remote(HASHES[:3])))
     shared.apply_batch(A, batch(stored(HASHES[:1], "GPU")))
-    assert shared.score_hashes(HASHES)[A].blocks_per_tier == {"GPU": 1, "EXTERNAL": 2}
+    assert shared.score_hashes(HASHES)[A].blocks_per_tier == {"GPU": 1, "STORAGE/REMOTE": 2}
     for idx in (private, shared):
         idx.check_integrity()
+
+
+def test_a_remote_block_counts_for_every_instance_a_local_one_only_for_its_own() -> None:
+    idx = BlockIndex(BS)
+    idx.apply_batch(A, batch(stored(HASHES[:1], "GPU")))
+    idx.apply_batch(B, batch(remote(HASHES[:3]), local(HASHES[:5])))
+    scores = idx.score_hashes(HASHES)
+    # A: its GPU block, then B's Redis blocks; B's disk (block 3 on) is not A's.
+    assert scores[A].num_blocks == 3
+    assert scores[A].blocks_per_tier == {"GPU": 1, "STORAGE/REMOTE": 2}
+    assert scores[A].weighted == pytest.approx(1.0 + 2 * 0.3)
+    assert scores[B].blocks_per_tier == {"STORAGE/LOCAL": 5}  # its best tier for each
+    assert scores[B].weighted == pytest.approx(5 * 0.5)
+    assert idx.holders(HASHES[3]) == {B: {"STORAGE/LOCAL"}}
+    assert idx.holders(HASHES[0]) == {A: {"GPU"}, B: {"STORAGE/LOCAL", "STORAGE/REMOTE"}}
+    assert idx.blocks_of(B, "STORAGE", "REMOTE") == set(HASHES[:3])
+    assert idx.blocks_of(B, "STORAGE", "LOCAL") == set(HASHES[:5])
+    assert idx.blocks_of(A, "STORAGE", "REMOTE") == set()  # B announced them, not A
+    # STORAGE with no locality may be either: weighted 0.3, and not shared.
+    bare = BlockIndex(BS)
+    bare.apply_batch(A, batch(stored(HASHES[:1], "GPU")))
+    bare.apply_batch(B, batch(stored(HASHES[:3], "STORAGE")))
+    assert bare.score_hashes(HASHES)[A].num_blocks == 1
+    assert bare.score_hashes(HASHES)[B].blocks_per_tier == {"STORAGE": 3}
+    assert bare.score_hashes(HASHES)[B].weighted == pytest.approx(3 * 0.3)
+    for i in (idx, bare):
+        i.check_integrity()
+
+
+def test_a_legacy_stream_and_a_vllm_033_one_score_alike() -> None:
+    """kvconnect before 0.2 said DISK and EXTERNAL; vLLM 0.33 says STORAGE, LOCAL or REMOTE.
+    The index reads both as the same tiers."""
+
+    def run(disk: tuple[str, str | None], redis: tuple[str, str | None]) -> BlockIndex:
+        idx = BlockIndex(BS)
+        gpu = stored(HASHES[:1], "GPU")
+        idx.apply_batch(A, batch(gpu, stored(HASHES[:4], disk[0], locality=disk[1])))
+        idx.apply_batch(B, batch(stored(HASHES[:6], redis[0], locality=redis[1])))
+        idx.apply_batch(A, batch(BlockRemoved(HASHES[3:4], disk[0], locality=disk[1])))
+        idx.apply_batch(B, batch(BlockRemoved(HASHES[5:6], redis[0], locality=redis[1])))
+        idx.check_integrity()
+        return idx
+
+    old = run(("DISK", None), ("EXTERNAL", None))
+    new = run(("STORAGE", "LOCAL"), ("STORAGE", "REMOTE"))
+    assert old.score_hashes(HASHES) == new.score_hashes(HASHES)
+    scores = new.score_hashes(HASHES)
+    assert scores[A].blocks_per_tier == {"GPU": 1, "STORAGE/LOCAL": 2, "STORAGE/REMOTE": 2}
+    assert scores[A].weighted == pytest.approx(1.0 + 2 * 0.5 + 2 * 0.3)
+    assert scores[B].blocks_per_tier == {"STORAGE/REMOTE": 5}
+    assert old.stats.removed == new.stats.removed
+    assert new.stats.removed == Counter({"STORAGE/LOCAL": 1, "STORAGE/REMOTE": 1})
+    for h in HASHES:
+        assert old.holders(h) == new.holders(h)
+    assert old.blocks_of(A, "DISK") == new.blocks_of(A, "STORAGE", "LOCAL") == set(HASHES[:3])
+    # A stream that changes words midway (a connector upgraded) takes back what it stored.
+    mixed = BlockIndex(BS)
+    mixed.apply_batch(A, batch(stored(HASHES[:2], "DISK"), stored(HASHES[:2], "EXTERNAL")))
+    mixed.apply_batch(
+        A,
+        batch(
+            BlockRemoved(HASHES[:2], "STORAGE", locality="LOCAL"),
+            BlockRemoved(HASHES[:2], "STORAGE", locality="REMOTE"),
+        ),
+    )
+    assert mixed.num_entries == 0
+    assert mixed.stats.removed == Counter({"STORAGE/LOCAL": 2, "STORAGE/REMOTE": 2})
+    mixed.check_integrity()
+
+
+def test_an_unknown_tier_counts_a_little_and_is_logged_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    idx = BlockIndex(BS)
+    with caplog.at_level(logging.WARNING, logger="kvconnect.router.index"):
+        idx.apply_batch(A, batch(stored(HASHES[:3], "NVME")))
+        idx.apply_batch(A, batch(stored(HASHES[3:5], "NVME")))
+        idx.apply_batch(B, batch(stored(HASHES[:2], "NVME"), stored(HASHES[2:3], "GPU")))
+        idx.apply_batch(B, batch(stored(HASHES[3:4], "STORAGE", locality="NEARBY")))
+        idx.apply_batch(B, batch(stored(HASHES[4:5], "STORAGE", locality="NEARBY")))
+    scores = idx.score_hashes(HASHES)
+    assert scores[A].num_blocks == 5 and scores[A].weighted == pytest.approx(5 * 0.1)
+    assert scores[A].blocks_per_tier == {"NVME": 5}
+    assert scores[B].blocks_per_tier == {"NVME": 2, "GPU": 1, "STORAGE/NEARBY": 2}
+    assert scores[B].weighted == pytest.approx(2 * 0.1 + 1.0 + 2 * 0.1)
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == 2, warned  # one per tier, not per event or per instance
+    assert "'NVME'" in warned[0] and "'STORAGE/NEARBY'" in warned[1]
+    idx.check_integrity()
 
 
 def test_counts_survive_duplicates_and_removals() -> None:
@@ -247,7 +350,8 @@ ops = st.lists(
         st.sampled_from([A, B]),
         st.sampled_from(["store", "store", "store", "remove", "clear", "restart", "lost"]),
         st.integers(0, 5),
-        st.sampled_from(["GPU", "CPU", "DISK"]),
+        # (medium, locality); the older DISK is the same tier as STORAGE/LOCAL
+        st.sampled_from([("GPU", None), ("CPU", None), ("STORAGE", "LOCAL"), ("DISK", None)]),
     ),
     max_size=60,
 )
@@ -256,19 +360,20 @@ ops = st.lists(
 @settings(max_examples=300, deadline=None)
 @given(ops)
 def test_index_matches_ground_truth_under_random_events(
-    sequence: list[tuple[str, str, int, str]],
+    sequence: list[tuple[str, str, int, tuple[str, str | None]]],
 ) -> None:
     idx = BlockIndex(BS, max_entries=10_000)
     truth: dict[str, Counter[tuple[int, str]]] = {A: Counter(), B: Counter()}
-    for iid, op, i, medium in sequence:
+    for iid, op, i, (medium, locality) in sequence:
         h = HASHES[i]
+        tier = "STORAGE/LOCAL" if medium in ("STORAGE", "DISK") else medium
         if op == "store":
-            idx.apply_batch(iid, batch(stored([h], medium)))
-            truth[iid][(h, medium)] += 1
+            idx.apply_batch(iid, batch(stored([h], medium, locality=locality)))
+            truth[iid][(h, tier)] += 1
         elif op == "remove":
-            idx.apply_batch(iid, batch(BlockRemoved([h], medium)))
-            if truth[iid][(h, medium)] > 0:
-                truth[iid][(h, medium)] -= 1
+            idx.apply_batch(iid, batch(BlockRemoved([h], medium, locality=locality)))
+            if truth[iid][(h, tier)] > 0:
+                truth[iid][(h, tier)] -= 1
         elif op == "clear":
             idx.apply_batch(iid, batch(AllBlocksCleared()))
             truth[iid].clear()
@@ -289,17 +394,20 @@ def test_removals_are_counted_per_tier_and_a_load_miss_marks_entries_stale() -> 
     idx = BlockIndex(BS)
     first = stored(HASHES[:2], "GPU", tokens=TOKENS[:8], parent=None)  # teaches the scheme
     idx.apply_batch(A, batch(first, stored(HASHES[2:5], "CPU", parent=HASHES[1])))
-    idx.apply_batch(B, batch(stored(HASHES[:5], "EXTERNAL", tokens=TOKENS[:20], parent=None)))
+    idx.apply_batch(B, batch(remote(HASHES[:5], tokens=TOKENS[:20], parent=None)))
     idx.apply_batch(A, batch(BlockRemoved(HASHES[4:5], "CPU")))
     assert idx.stats.removed == Counter({"CPU": 1})
-    assert idx.score(TOKENS)[A].num_blocks == 5  # GPU 0-1, CPU 2-3, shared EXTERNAL 4
+    assert idx.score(TOKENS)[A].num_blocks == 5  # GPU 0-1, CPU 2-3, shared STORAGE/REMOTE 4
     # A reports 8 cached tokens (2 blocks): blocks 2-4 are not where the index said. Its own
-    # CPU entries and the shared EXTERNAL ones for them go; B's blocks 0-1 stay.
+    # CPU entries and the shared STORAGE/REMOTE ones for them go; B's blocks 0-1 stay.
     assert idx.mark_stale(A, TOKENS, 8) == 2 + 3
-    assert idx.stats.stale == Counter({"CPU": 2, "EXTERNAL": 3})
+    assert idx.stats.stale == Counter({"CPU": 2, "STORAGE/REMOTE": 3})
     assert idx.score(TOKENS)[A].num_blocks == 2 and idx.score(TOKENS)[B].num_blocks == 2
     # The prompt's last token is always computed: an answer one block short of a prompt
     # that ends on a block boundary is not a miss.
     assert idx.mark_stale(A, TOKENS[:8], 4) == 0
     assert idx.mark_stale("http://unknown:1", TOKENS, 0) == 0
+    idx.apply_batch(B, batch(BlockRemoved(HASHES[1:2], "STORAGE", locality="REMOTE")))
+    assert idx.stats.removed == Counter({"CPU": 1, "STORAGE/REMOTE": 1})
+    assert idx.score(TOKENS)[B].num_blocks == 1
     idx.check_integrity()

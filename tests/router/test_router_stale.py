@@ -59,7 +59,7 @@ def test_a_silent_loss_in_redis_is_found_by_the_answer_and_counted_stale(tmp_pat
                 post(server.url + "/v1/completions", {"prompt": other, "max_tokens": 1})[0] == 200
             )
         # What the router believes: the prompt's chunks in redis, nothing on the GPU.
-        wait_for(lambda: score()["blocks_per_tier"] == {"EXTERNAL": 8})
+        wait_for(lambda: score()["blocks_per_tier"] == {"STORAGE/REMOTE": 8})
         redis.Redis(port=store.port).flushall()  # lost, and nobody says so
         status, answer, _ = post(router.url + "/v1/completions", body)
         assert status == 200 and answer["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
@@ -67,7 +67,7 @@ def test_a_silent_loss_in_redis_is_found_by_the_answer_and_counted_stale(tmp_pat
         # the engine recomputes and stores again comes back through its events later).
         _, text = get(router.url + "/metrics")
         found = re.search(
-            r'^kvconnect_router_index_stale_total\{tier="EXTERNAL"\} (\S+)$', text, re.M
+            r'^kvconnect_router_index_stale_total\{tier="STORAGE/REMOTE"\} (\S+)$', text, re.M
         )
         assert found and float(found.group(1)) == 8
         assert re.search(r'^kvconnect_router_index_removed_total\{tier="GPU"\} ', text, re.M)

@@ -21,24 +21,25 @@ from kvconnect.stream.subscriber import (
 from tests.helpers import poll_until, tcp_pair
 
 BS = 4
-MEDIA = ["GPU", "CPU", "DISK"]
+MEDIA = [("GPU", None), ("CPU", None), ("STORAGE", "LOCAL"), ("STORAGE", "REMOTE")]
+"""(medium, locality): a disk and a Redis are both STORAGE."""
 
 
-def held(events: list) -> Counter[tuple[str | None, int, tuple[int, ...]]]:
-    """(medium, hash, the block's tokens) counts that `events` leave, applied in order."""
-    out: Counter[tuple[str | None, int, tuple[int, ...]]] = Counter()
-    tokens: dict[tuple[str | None, int], tuple[int, ...]] = {}
+def held(events: list) -> Counter[tuple[str | None, str | None, int, tuple[int, ...]]]:
+    """(medium, locality, hash, the block's tokens) counts that `events` leave, in order."""
+    out: Counter[tuple[str | None, str | None, int, tuple[int, ...]]] = Counter()
+    tokens: dict[tuple[str | None, str | None, int], tuple[int, ...]] = {}
     for ev in events:
         if isinstance(ev, BlockStored):
             for i, h in enumerate(ev.block_hashes):
                 toks = tuple(ev.token_ids[i * BS : (i + 1) * BS])
-                key = (ev.medium, h)
-                if key not in tokens or not any(k[:2] == key for k in out):
+                key = (ev.medium, ev.locality, h)
+                if key not in tokens or not any(k[:3] == key for k in out):
                     tokens[key] = toks
-                out[(ev.medium, h, tokens[key])] += 1
+                out[(*key, tokens[key])] += 1
         elif isinstance(ev, BlockRemoved):
             for h in ev.block_hashes:
-                match = next((k for k in out if k[:2] == (ev.medium, h)), None)
+                match = next((k for k in out if k[:3] == (ev.medium, ev.locality, h)), None)
                 if match is not None:
                     out[match] -= 1
                     if not out[match]:
@@ -52,16 +53,19 @@ def random_events(rng: random.Random, n: int) -> list:
     events: list = []
     for _ in range(n):
         r = rng.random()
-        medium = rng.choice(MEDIA)
+        medium, locality = rng.choice(MEDIA)
         if r < 0.6:
             k = rng.randint(1, 4)
             start = rng.randrange(30)
             hashes = list(range(start, start + k))
             parent = start - 1 if start else None
             toks = [h * 100 + j for h in hashes for j in range(BS)]
-            events.append(BlockStored(hashes, parent, toks, BS, None, medium, None))
+            events.append(
+                BlockStored(hashes, parent, toks, BS, None, medium, None, locality=locality)
+            )
         elif r < 0.97:
-            events.append(BlockRemoved(rng.sample(range(34), rng.randint(1, 3)), medium))
+            removed = rng.sample(range(34), rng.randint(1, 3))
+            events.append(BlockRemoved(removed, medium, locality=locality))
         else:
             events.append(AllBlocksCleared())
     return events
@@ -79,7 +83,30 @@ def test_a_snapshot_holds_exactly_what_the_events_leave(seed: int, n: int) -> No
     assert held(snapshot) == held(events)
     for ev in snapshot:  # every event is well formed: its tokens are its blocks'
         assert len(ev.token_ids) == len(ev.block_hashes) * ev.block_size
-    assert state.seq == n - 1 and len(state) == len({k[:2] for k in held(events)})
+    assert state.seq == n - 1 and len(state) == len({k[:3] for k in held(events)})
+
+
+def test_one_hash_on_a_local_and_a_remote_storage_is_two_entries() -> None:
+    """A disk and a Redis are both STORAGE: the locality tells their copies apart."""
+    toks = [1, 2, 3, 4, 5, 6, 7, 8]
+    disk = BlockStored([1, 2], None, toks, BS, None, "STORAGE", None, locality="LOCAL")
+    redis = BlockStored([1, 2], None, toks, BS, None, "STORAGE", None, locality="REMOTE")
+    state = StreamState()
+    state.apply(0, KVEventBatch(0.0, [disk, redis]))
+    assert len(state) == 4
+    state.check_integrity()
+    assert sorted(state.events(), key=lambda e: e.locality or "") == [disk, redis]
+    state.apply(1, KVEventBatch(0.0, [BlockRemoved([1, 2], "STORAGE", locality="LOCAL")]))
+    assert len(state) == 2 and state.events() == [redis]  # the Redis copy stays, REMOTE
+    # A removal must name the locality: STORAGE alone (or the older EXTERNAL) is another tier.
+    state.apply(2, KVEventBatch(0.0, [BlockRemoved([1], "STORAGE")]))
+    state.apply(3, KVEventBatch(0.0, [BlockRemoved([1], "EXTERNAL")]))
+    assert state.events() == [redis]
+    state.apply(4, KVEventBatch(0.0, [BlockRemoved([1], "STORAGE", locality="REMOTE")]))
+    (left,) = state.events()
+    assert (left.block_hashes, left.medium, left.locality) == ([2], "STORAGE", "REMOTE")
+    assert left.token_ids == toks[BS:] and left.parent_block_hash == 1
+    state.check_integrity()
 
 
 def fold(items: list[SubscriberItem]) -> Counter:

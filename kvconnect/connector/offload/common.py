@@ -51,7 +51,7 @@ class TierConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Redis: entries expire this many seconds after they are written (None: never)."""
     watch: bool = True
     """Redis: follow the server's keyspace notifications, so that what Redis evicts or
-    expires is announced (BlockRemoved, medium EXTERNAL); see tiers/redis_watch.py."""
+    expires is announced (BlockRemoved, STORAGE/REMOTE); see tiers/redis_watch.py."""
     cluster: bool = False
     """Redis: `url` is any node of a Redis Cluster (or Valkey cluster)."""
 

@@ -1,14 +1,18 @@
 """The kinds of storage tier, and what each one is in KV events: one vocabulary for the
 connector's config (`"kind": "cpu"`), its tiers, its events and the router that reads them.
 
-    kind     medium      locality   shared
-    cpu      CPU         None       no      host memory of the instance
-    disk     DISK        None       no      local disk of the instance
-    redis    EXTERNAL    None       yes     a Redis server or Redis Cluster several instances use
+    kind     medium      locality   tier label        shared
+    cpu      CPU         None       CPU               no      host memory of the instance
+    disk     STORAGE     LOCAL      STORAGE/LOCAL     no      local disk of the instance
+    redis    STORAGE     REMOTE     STORAGE/REMOTE    yes     a Redis (or Redis Cluster) several
+                                                              instances use
 
-The mediums are today's wire strings; vLLM 0.33 names disk and redis `STORAGE` with a
-locality (`LOCAL`, `REMOTE`). Moving to those changes the bytes every reader sees, so it is
-its own change: then only this table changes, and `locality` stops being None.
+These are vLLM 0.33's words (`medium` GPU/CPU/STORAGE, `locality` LOCAL/REMOTE), so readers
+of vLLM's stream credit a tier as the tier it is: vllm-router 0.1.17 gives CPU its host credit
+and STORAGE its disk credit (it used to take EXTERNAL for GPU); Dynamo 1.6.1 files CPU under
+host and STORAGE/LOCAL under disk, and drops REMOTE events altogether (a shared store is not
+its kind of tier), as `tests_peers` shows. kvconnect before 0.2 said DISK and EXTERNAL; its
+readers still take those (`events.tier_of`).
 
 Imports nothing heavy (no torch, no redis client): the router imports it.
 """
@@ -17,7 +21,13 @@ from __future__ import annotations
 
 from enum import StrEnum
 
-from kvconnect.events import MEDIUM_CPU, MEDIUM_DISK, MEDIUM_EXTERNAL
+from kvconnect.events import (
+    LOCALITY_LOCAL,
+    LOCALITY_REMOTE,
+    MEDIUM_CPU,
+    MEDIUM_STORAGE,
+    tier_of,
+)
 
 
 class TierKind(StrEnum):
@@ -34,8 +44,13 @@ class TierKind(StrEnum):
 
     @property
     def locality(self) -> str | None:
-        """Where the tier is, beside its medium (None: the medium says it, as today)."""
-        return None
+        """Its `locality` in events (None: unspecified, for the cpu tier as in vLLM)."""
+        return _LOCALITIES[self]
+
+    @property
+    def tier(self) -> str:
+        """Its label where events are read (`events.tier_of`): "CPU", "STORAGE/LOCAL", ..."""
+        return tier_of(self.medium, self.locality)
 
     @property
     def shared(self) -> bool:
@@ -43,14 +58,16 @@ class TierKind(StrEnum):
         return self is TierKind.REDIS
 
     @classmethod
-    def of_medium(cls, medium: str | None) -> TierKind | None:
-        """The kind whose tiers announce `medium`; None for the engine's own GPU cache (its
-        events' medium is "GPU" or unset) and for mediums no tier announces."""
-        return next((kind for kind, m in _MEDIUMS.items() if m == medium), None)
+    def of_event(cls, medium: str | None, locality: str | None = None) -> TierKind | None:
+        """The kind whose tiers announce (`medium`, `locality`), old names too; None for the
+        engine's own GPU cache and for what no tier announces."""
+        tier = tier_of(medium, locality)
+        return next((kind for kind in cls if kind.tier == tier), None)
 
 
-_MEDIUMS = {TierKind.CPU: MEDIUM_CPU, TierKind.DISK: MEDIUM_DISK, TierKind.REDIS: MEDIUM_EXTERNAL}
-"""kind -> medium: every kind has exactly one (a Redis Cluster is a redis tier too)."""
+_MEDIUMS = {TierKind.CPU: MEDIUM_CPU, TierKind.DISK: MEDIUM_STORAGE, TierKind.REDIS: MEDIUM_STORAGE}
+"""kind -> medium (a Redis Cluster is a redis tier too)."""
+_LOCALITIES = {TierKind.CPU: None, TierKind.DISK: LOCALITY_LOCAL, TierKind.REDIS: LOCALITY_REMOTE}
 
 KIND_NAMES = tuple(kind.value for kind in TierKind)
 """("cpu", "disk", "redis"): what a config's "kind" may say."""

@@ -37,7 +37,13 @@ from kvconnect.connector.offload.common import (
 )
 from kvconnect.connector.offload.lookup import PrefixLookup
 from kvconnect.connector.offload.tiers import RemovalWatcher, TierPlacement, create_tier
-from kvconnect.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from kvconnect.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVCacheEvent,
+    tier_of,
+)
 from kvconnect.hashing import request_extra_keys, to_event, to_wire
 
 MAX_UNCONFIRMED = 1 << 16
@@ -67,12 +73,12 @@ class OffloadScheduler:
         self.config = config
         self.metadata_class = metadata_class
         self.quorum = EventQuorum(context.world_size, max_pending_steps=config.max_pending_steps)
-        self.held: dict[int | bytes, set[str]] = {}  # chunk (last block's wire hash) -> media
-        self._local_media = {t.kind.medium for t in config.tiers if not t.kind.shared}
+        self.held: dict[int | bytes, set[str]] = {}  # chunk (last block's wire hash) -> tiers
+        self._local_tiers = {t.kind.tier for t in config.tiers if not t.kind.shared}
         self.lookup: PrefixLookup | None = None
         self.watcher: RemovalWatcher | None = None
         shared = [t for t in config.tiers if t.kind.shared]
-        self._shared_medium = shared[0].kind.medium if shared else None
+        self._shared_kind = shared[0].kind if shared else None
         if shared:
             tier = create_tier(shared[0], TierPlacement(context.world_size, rank=0))
             tier.check_reachable()  # before any worker starts: a wrong URL fails at once
@@ -225,21 +231,25 @@ class OffloadScheduler:
         if (
             self.watcher is not None
             and isinstance(event, BlockStored)
-            and event.medium == self._shared_medium
+            and self._shared_kind is not None
+            and tier_of(event.medium, event.locality) == self._shared_kind.tier
         ):
             raw = self._raw_by_wire.pop(event.block_hashes[-1], None)
             if raw is not None:
                 self.watcher.announce(raw, event.block_hashes)
         if isinstance(event, AllBlocksCleared):
             self.held.clear()
-        elif isinstance(event, BlockStored | BlockRemoved) and event.medium in self._local_media:
+        elif isinstance(event, BlockStored | BlockRemoved):
+            tier = tier_of(event.medium, event.locality)
+            if tier not in self._local_tiers:
+                return
             chunk = event.block_hashes[-1]
-            media = self.held.setdefault(chunk, set())
+            tiers = self.held.setdefault(chunk, set())
             if isinstance(event, BlockStored):
-                media.add(event.medium)
+                tiers.add(tier)
             else:
-                media.discard(event.medium)
-                if not media:
+                tiers.discard(tier)
+                if not tiers:
                     del self.held[chunk]
 
     def has_pending_work(self) -> bool:
@@ -254,9 +264,12 @@ class OffloadScheduler:
 
     def take_events(self) -> list[KVCacheEvent]:
         ready, self._ready = self._ready, []
-        if self.watcher is not None:
+        if self.watcher is not None and self._shared_kind is not None:
+            kind = self._shared_kind
             for last, hashes in self.watcher.take_removed():
-                ready.append(BlockRemoved(hashes, self._shared_medium, group_idx=GROUP_IDX))
+                ready.append(
+                    BlockRemoved(hashes, kind.medium, group_idx=GROUP_IDX, locality=kind.locality)
+                )
                 self._shared_gone.append(last)
         return ready
 

@@ -34,6 +34,7 @@ from kvconnect.connector.offload.common import (
     OffloadWorkerMetadata,
     chunk_key,
 )
+from kvconnect.connector.offload.kinds import TierKind
 from kvconnect.connector.offload.tiers import TierPlacement, create_tier
 from kvconnect.connector.offload.tiers.base import Evicted, Tier, TierError, TierTooSmall
 from kvconnect.events import BlockRemoved, BlockStored, KVCacheEvent
@@ -41,7 +42,7 @@ from kvconnect.events import BlockRemoved, BlockStored, KVCacheEvent
 logger = logging.getLogger(__name__)
 
 
-def stored_event(info: ChunkInfo, medium: str) -> BlockStored:
+def stored_event(info: ChunkInfo, kind: TierKind) -> BlockStored:
     """A chunk in a tier, described in full (tokens, parent, extra keys), as the engine's own
     events describe its blocks, so a router can check and use it on its own."""
     return BlockStored(
@@ -50,16 +51,19 @@ def stored_event(info: ChunkInfo, medium: str) -> BlockStored:
         list(info.token_ids),
         info.block_size,
         None,
-        medium,
+        kind.medium,
         None,
         extra_keys=list(info.extra_keys or [None] * len(info.block_hashes)),
         group_idx=GROUP_IDX,
         kv_cache_spec_kind=SPEC_KIND,
+        locality=kind.locality,
     )
 
 
-def removed_event(info: ChunkInfo, medium: str) -> BlockRemoved:
-    return BlockRemoved(list(info.block_hashes), medium, group_idx=GROUP_IDX)
+def removed_event(info: ChunkInfo, kind: TierKind) -> BlockRemoved:
+    return BlockRemoved(
+        list(info.block_hashes), kind.medium, group_idx=GROUP_IDX, locality=kind.locality
+    )
 
 
 @dataclass(frozen=True)
@@ -129,7 +133,7 @@ class OffloadWorker:
                 logger.warning("offload: %s; running without that tier", e)
         for tier in self.tiers:
             for _, info in tier.entries():  # found again after a restart
-                self._events.append(stored_event(info, tier.medium))
+                self._events.append(stored_event(info, tier.kind))
         self._thread = threading.Thread(target=self._io_loop, name="kv-offload-io", daemon=True)
         self._thread.start()
 
@@ -285,7 +289,7 @@ class OffloadWorker:
             with self._lock:
                 self._count(f"num_{tier.kind}_errors")
             return
-        self._emit(stored_event(info, tier.medium))
+        self._emit(stored_event(info, tier.kind))
         with self._lock:
             self._count(f"{tier.kind}_bytes_stored", data.numel() * data.element_size())
             if tier.shared:
@@ -298,7 +302,7 @@ class OffloadWorker:
             (j for j in range(index + 1, len(self.tiers)) if not self.tiers[j].shared), None
         )
         for ev in evicted:
-            self._emit(removed_event(ev.info, tier.medium))
+            self._emit(removed_event(ev.info, tier.kind))
             with self._lock:
                 self._count(f"num_{tier.kind}_evictions")
             if below is not None and ev.data is not None:
@@ -336,7 +340,7 @@ class OffloadWorker:
                 with self._lock:
                     self._count(f"num_{tier.kind}_errors")
                 if not tier.shared:  # the bad entry is gone from the tier
-                    self._emit(removed_event(info, tier.medium))
+                    self._emit(removed_event(info, tier.kind))
                 continue
             if data is None:
                 continue
@@ -353,4 +357,4 @@ class OffloadWorker:
         """Empty the local tiers, announcing exactly what each dropped (a shared tier is not
         ours to empty), so a router keeps what the engine itself still holds."""
         for tier in self.tiers:
-            self._emit(*(removed_event(info, tier.medium) for _, info in tier.clear()))
+            self._emit(*(removed_event(info, tier.kind) for _, info in tier.clear()))

@@ -22,7 +22,7 @@ from kvconnect.connector.aggregator import KVOutputAggregator
 from kvconnect.connector.offload.common import OffloadWorkerMetadata
 from kvconnect.connector.offload.connector import OffloadConnector
 from kvconnect.connector.step import run_worker_step
-from kvconnect.events import BlockRemoved, BlockStored
+from kvconnect.events import MEDIUMS, BlockRemoved, BlockStored, tier_of
 from kvconnect.hashing import block_hashes
 from tests.connector.helpers import roundtrip
 from tests.engine.test_scheduler import BS
@@ -103,14 +103,16 @@ class Req:
 
 
 def held_by_events(events: list[Any]) -> dict[str, Counter[int | bytes]]:
-    media: dict[str, Counter[int | bytes]] = {}
+    """Chunks held per tier label ("CPU", "STORAGE/LOCAL"), by what the events say."""
+    tiers: dict[str, Counter[int | bytes]] = {}
     for ev in events:
+        if isinstance(ev, BlockStored | BlockRemoved):
+            assert ev.medium in MEDIUMS, ev.medium  # vLLM 0.33's words, not DISK or EXTERNAL
+            held = tiers.setdefault(tier_of(ev.medium, ev.locality), Counter())
+            held[ev.block_hashes[-1]] += 1 if isinstance(ev, BlockStored) else -1
         if isinstance(ev, BlockStored):
-            media.setdefault(ev.medium or "", Counter())[ev.block_hashes[-1]] += 1
             assert len(ev.token_ids) == CHUNK and ev.block_size == BS
-        elif isinstance(ev, BlockRemoved):
-            media.setdefault(ev.medium or "", Counter())[ev.block_hashes[-1]] -= 1
-    return {m: +c for m, c in media.items()}
+    return {t: +c for t, c in tiers.items()}
 
 
 def test_events_equal_each_tiers_contents_after_a_random_workload(tmp_path: Path) -> None:
@@ -130,13 +132,17 @@ def test_events_equal_each_tiers_contents_after_a_random_workload(tmp_path: Path
             loop.step([(f"r{i}", tokens, loop.blocks(-(-len(tokens) // BS)))])
         loop.step()
         held = held_by_events(loop.events)
-        assert held.get("DISK"), "the workload should have demoted chunks to disk"
-        assert any(isinstance(e, BlockRemoved) and e.medium == "DISK" for e in loop.events)
+        assert set(held) == {"CPU", "STORAGE/LOCAL"}
+        assert held["STORAGE/LOCAL"], "the workload should have demoted chunks to disk"
+        assert any(
+            isinstance(e, BlockRemoved) and (e.medium, e.locality) == ("STORAGE", "LOCAL")
+            for e in loop.events
+        )
         for w in loop.workers:
             assert w.worker is not None
             for tier in w.worker.tiers:
                 actual = Counter(info.block_hashes[-1] for _, info in tier.entries())
-                assert actual == held.get(tier.medium, Counter()), tier.medium
+                assert actual == held.get(tier.kind.tier, Counter()), tier.kind.tier
         assert loop.sched.scheduler is not None
         quorum = loop.sched.scheduler.quorum
         assert quorum.num_pending == 0 and quorum.num_expired == 0
@@ -206,8 +212,12 @@ def test_a_disk_hit_is_promoted_back_into_the_cpu_tier(tmp_path: Path) -> None:
         loop.step()
         loop.step()
         a_chunk = block_hashes(a, BS)[1]
-        moved = [(type(e).__name__, e.medium) for e in loop.events]
-        assert moved == [("BlockStored", "CPU"), ("BlockRemoved", "CPU"), ("BlockStored", "DISK")]
+        moved = [(type(e).__name__, e.medium, e.locality) for e in loop.events]
+        assert moved == [
+            ("BlockStored", "CPU", None),
+            ("BlockRemoved", "CPU", None),
+            ("BlockStored", "STORAGE", "LOCAL"),
+        ]
         assert loop.events[0].block_hashes[-1] == int.from_bytes(a_chunk[-8:], "big")
     finally:
         loop.shutdown()

@@ -152,7 +152,8 @@ def test_a_corrupted_disk_chunk_is_recomputed_and_reported(tmp_path: Path) -> No
                 type(e).__name__
                 for item in read_through(sub, llm.publisher)
                 for e in item.batch.events
-                if isinstance(e, BlockStored | BlockRemoved) and e.medium == "DISK"
+                if isinstance(e, BlockStored | BlockRemoved)
+                and (e.medium, e.locality) == ("STORAGE", "LOCAL")
             ]
             sub.close()
             assert disk == ["BlockStored"] * 4 + ["BlockRemoved", "BlockStored"]

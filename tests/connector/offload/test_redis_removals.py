@@ -21,13 +21,18 @@ from kvconnect.connector.offload.tiers.base import unpack
 from kvconnect.connector.offload.tiers.redis_client import KEY_PREFIX
 from kvconnect.connector.offload.tiers.redis_watch import RedisWatcher, last_hash_of
 from kvconnect.events import (
+    LOCALITY_REMOTE,
     MEDIUM_CPU,
-    MEDIUM_EXTERNAL,
     MEDIUM_GPU,
+    MEDIUM_STORAGE,
+    MEDIUMS,
+    TIER_CPU,
+    TIER_STORAGE_REMOTE,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     KVCacheEvent,
+    tier_of,
 )
 from kvconnect.router.index import BlockIndex
 from kvconnect.stream.subscriber import KVEventSubscriber, ReceivedBatch
@@ -69,14 +74,14 @@ class Instance:
 
         step_until(self.llm, done)
 
-    def count(self, kind: type, medium: str) -> int:
-        return sum(isinstance(e, kind) and e.medium == medium for e in self.events)
+    def count(self, kind: type, tier: str) -> int:
+        return sum(isinstance(e, kind) and in_tier(e, tier) for e in self.events)
 
-    def removed_chunks(self, medium: str) -> list[tuple[Any, ...]]:
+    def removed_chunks(self, tier: str) -> list[tuple[Any, ...]]:
         return [
             tuple(e.block_hashes)
             for e in self.events
-            if isinstance(e, BlockRemoved) and e.medium == medium
+            if isinstance(e, BlockRemoved) and in_tier(e, tier)
         ]
 
     @property
@@ -90,6 +95,12 @@ class Instance:
     def close(self) -> None:
         self.sub.close()
         self.llm.shutdown()
+
+
+def in_tier(e: Any, tier: str) -> bool:
+    """`e` speaks of `tier` (a label of `events.tier_of`: "STORAGE/REMOTE") in vLLM 0.33's
+    words: the older mediums (DISK, EXTERNAL), which readers still take, never match."""
+    return e.medium in MEDIUMS and tier_of(e.medium, e.locality) == tier
 
 
 def redis_blocks(client: redis.Redis) -> set[Any]:
@@ -117,20 +128,20 @@ def test_every_eviction_is_announced_once_and_the_index_matches_redis(
     inst = Instance(tmp_path, {"kind": "redis", "url": server.url})
     try:
         inst.llm.generate([prompt(0)], GREEDY)
-        inst.until(lambda: inst.count(BlockStored, MEDIUM_EXTERNAL) == 4)
+        inst.until(lambda: inst.count(BlockStored, TIER_STORAGE_REMOTE) == 4)
         chunk_bytes = max(len(client.get(k) or b"") for k in client.scan_iter(KEY_PREFIX + "*"))
         used = int(client.info("memory")["used_memory"])
         client.config_set("maxmemory", used + 6 * chunk_bytes)  # room for ~10 chunks
         client.config_set("maxmemory-policy", "allkeys-lru")
         for i in range(1, 8):
             inst.llm.generate([prompt(i)], GREEDY)
-        inst.until(lambda: inst.count(BlockStored, MEDIUM_EXTERNAL) == 32)
+        inst.until(lambda: inst.count(BlockStored, TIER_STORAGE_REMOTE) == 32)
         evicted = int(client.info("stats")["evicted_keys"])
         assert evicted >= 10
-        inst.until(lambda: len(inst.removed_chunks(MEDIUM_EXTERNAL)) == evicted)
-        removed = inst.removed_chunks(MEDIUM_EXTERNAL)
+        inst.until(lambda: len(inst.removed_chunks(TIER_STORAGE_REMOTE)) == evicted)
+        removed = inst.removed_chunks(TIER_STORAGE_REMOTE)
         assert len(set(removed)) == len(removed)  # each chunk exactly once
-        assert inst.index.blocks_of("i", MEDIUM_EXTERNAL) == redis_blocks(client)
+        assert inst.index.blocks_of("i", MEDIUM_STORAGE, LOCALITY_REMOTE) == redis_blocks(client)
         inst.index.check_integrity()
     finally:
         inst.close()
@@ -141,9 +152,13 @@ def test_expired_chunks_are_announced(tmp_path: Path, server: LocalRedis) -> Non
     inst = Instance(tmp_path, {"kind": "redis", "url": server.url, "ttl_s": 0.5})
     try:
         inst.llm.generate([prompt(0), prompt(1)], GREEDY)
-        inst.until(lambda: inst.count(BlockStored, MEDIUM_EXTERNAL) == 8)
-        inst.until(lambda: len(inst.removed_chunks(MEDIUM_EXTERNAL)) == 8)
-        assert redis_blocks(client) == set() == inst.index.blocks_of("i", MEDIUM_EXTERNAL)
+        inst.until(lambda: inst.count(BlockStored, TIER_STORAGE_REMOTE) == 8)
+        inst.until(lambda: len(inst.removed_chunks(TIER_STORAGE_REMOTE)) == 8)
+        assert (
+            redis_blocks(client)
+            == set()
+            == inst.index.blocks_of("i", MEDIUM_STORAGE, LOCALITY_REMOTE)
+        )
     finally:
         inst.close()
 
@@ -154,22 +169,26 @@ def test_a_restarted_redis_is_resynced_and_written_again(
     inst = Instance(tmp_path, {"kind": "redis", "url": server.url})
     try:
         inst.llm.generate([prompt(0)], GREEDY)
-        inst.until(lambda: inst.count(BlockStored, MEDIUM_EXTERNAL) == 4)
+        inst.until(lambda: inst.count(BlockStored, TIER_STORAGE_REMOTE) == 4)
         resyncs = inst.watcher.num_resyncs
         server.stop()  # every key is gone with it (no persistence)
         restarted = LocalRedis(port=server.port)
         try:
-            inst.until(lambda: len(inst.removed_chunks(MEDIUM_EXTERNAL)) == 4)
+            inst.until(lambda: len(inst.removed_chunks(TIER_STORAGE_REMOTE)) == 4)
             assert inst.watcher.num_resyncs > resyncs
-            assert inst.index.blocks_of("i", MEDIUM_EXTERNAL) == set()
+            assert inst.index.blocks_of("i", MEDIUM_STORAGE, LOCALITY_REMOTE) == set()
             # Notifications are on again on the new server, and the workers write again
             # what the scheduler told them is gone.
             client = redis.Redis(port=restarted.port)
             assert "e" in client.config_get("notify-keyspace-events")["notify-keyspace-events"]
             assert inst.llm.reset_prefix_cache()
             inst.llm.generate([prompt(0)], GREEDY)
-            inst.until(lambda: inst.count(BlockStored, MEDIUM_EXTERNAL) == 8)
-            assert inst.index.blocks_of("i", MEDIUM_EXTERNAL) == redis_blocks(client) != set()
+            inst.until(lambda: inst.count(BlockStored, TIER_STORAGE_REMOTE) == 8)
+            assert (
+                inst.index.blocks_of("i", MEDIUM_STORAGE, LOCALITY_REMOTE)
+                == redis_blocks(client)
+                != set()
+            )
         finally:
             restarted.stop()
     finally:
@@ -201,7 +220,7 @@ def test_a_server_that_forbids_config_gets_a_clear_warning_and_preset_flags_work
     inst = Instance(tmp_path, {"kind": "redis", "url": url, "ttl_s": 0.3})
     try:
         inst.llm.generate([prompt(0)], GREEDY)
-        inst.until(lambda: len(inst.removed_chunks(MEDIUM_EXTERNAL)) == 4)
+        inst.until(lambda: len(inst.removed_chunks(TIER_STORAGE_REMOTE)) == 4)
     finally:
         inst.close()
 
@@ -212,11 +231,11 @@ def test_a_connector_reset_removes_its_tiers_entries_and_leaves_the_gpu_ones(
     inst = Instance(tmp_path, {"kind": "cpu", "max_bytes": 1 << 24})
     try:
         inst.llm.generate([prompt(0)], GREEDY)
-        inst.until(lambda: inst.count(BlockStored, MEDIUM_CPU) == 4)
+        inst.until(lambda: inst.count(BlockStored, TIER_CPU) == 4)
         gpu = inst.index.blocks_of("i", MEDIUM_GPU)
         assert gpu and len(inst.index.blocks_of("i", MEDIUM_CPU)) == 4 * CHUNK // 16
         assert inst.llm.reset_connector_cache()
-        inst.until(lambda: inst.count(BlockRemoved, MEDIUM_CPU) == 4)
+        inst.until(lambda: inst.count(BlockRemoved, TIER_CPU) == 4)
         assert not any(isinstance(e, AllBlocksCleared) for e in inst.events)
         assert inst.index.blocks_of("i", MEDIUM_CPU) == set()
         assert inst.index.blocks_of("i", MEDIUM_GPU) == gpu

@@ -132,10 +132,10 @@ def test_factory_builds_each_kind_with_its_own_medium(
         TierConfig(TierKind.REDIS, url=fresh_redis.url),
     ]
     tiers = [create_tier(c, placement) for c in configs]
-    assert [(type(t).__name__, t.medium, t.shared) for t in tiers] == [
-        ("CpuTier", "CPU", False),
-        ("DiskTier", "DISK", False),
-        ("RedisTier", "EXTERNAL", True),
+    assert [(type(t).__name__, t.medium, t.kind.locality, t.shared) for t in tiers] == [
+        ("CpuTier", "CPU", None, False),
+        ("DiskTier", "STORAGE", "LOCAL", False),
+        ("RedisTier", "STORAGE", "REMOTE", True),
     ]
     assert isinstance(tiers[1], DiskTier) and tiers[1].root == (tmp_path / "tp2-rank1").resolve()
     for t in tiers:
@@ -247,18 +247,38 @@ def test_config_reads_each_tier_as_its_kind_with_its_defaults() -> None:
         TierConfig(TierKind.CPU, max_bytes=4096),
         TierConfig(TierKind.REDIS, url="u", ttl_s=2.0),
     )
-    assert [t.kind.medium for t in cfg.tiers] == ["CPU", "EXTERNAL"]
+    assert [(t.kind.medium, t.kind.locality) for t in cfg.tiers] == [
+        ("CPU", None),
+        ("STORAGE", "REMOTE"),
+    ]
 
 
 def test_each_kind_knows_its_medium_locality_and_sharing() -> None:
-    table = [(k.value, k.medium, k.locality, k.shared) for k in TierKind]
+    table = [(k.value, k.medium, k.locality, k.tier, k.shared) for k in TierKind]
     assert table == [
-        ("cpu", "CPU", None, False),
-        ("disk", "DISK", None, False),
-        ("redis", "EXTERNAL", None, True),
+        ("cpu", "CPU", None, "CPU", False),
+        ("disk", "STORAGE", "LOCAL", "STORAGE/LOCAL", False),
+        ("redis", "STORAGE", "REMOTE", "STORAGE/REMOTE", True),
     ]
-    assert [TierKind.of_medium(m) for m in ("EXTERNAL", "GPU", None)] == [
+    events = [
+        ("CPU", None),
+        ("STORAGE", "LOCAL"),
+        ("STORAGE", "REMOTE"),
+        ("DISK", None),  # the older names, still read
+        ("EXTERNAL", None),
+        ("STORAGE", None),  # either of two kinds: none
+        ("CPU", "REMOTE"),
+        ("GPU", None),
+        (None, None),
+    ]
+    assert [TierKind.of_event(m, loc) for m, loc in events] == [
+        TierKind.CPU,
+        TierKind.DISK,
         TierKind.REDIS,
+        TierKind.DISK,
+        TierKind.REDIS,
+        None,
+        None,
         None,
         None,
     ]

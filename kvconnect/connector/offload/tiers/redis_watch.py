@@ -8,7 +8,7 @@ its clients. With `notify-keyspace-events` holding `E` (keyevent channels) and `
 set), subscribes, and turns a dropped key of an announced chunk into one removal:
 
     announce(last block hash, block hashes)   the scheduler released this chunk's
-                                              BlockStored(EXTERNAL): watch it, and check
+                                              BlockStored(STORAGE/REMOTE): watch it, and check
                                               it still exists (Redis may have dropped it
                                               between the write and the announcement)
     watcher thread                            a key of a watched chunk (any rank's) evicted
@@ -22,8 +22,8 @@ set), subscribes, and turns a dropped key of an announced chunk into one removal
 
 One owner per event: each instance announces removals of what it announced itself, in its own
 stream. A chunk several instances wrote is announced, and removed, by each of them; a router's
-index keeps EXTERNAL entries per announcing instance (counted for every instance when scoring),
-so each stream balances on its own and no instance needs to know of the others.
+index keeps STORAGE/REMOTE entries per announcing instance (counted for every instance when
+scoring), so each stream balances on its own and no instance needs to know of the others.
 
 A server that forbids CONFIG SET (managed Redis, ACLs) gets one warning naming the setting to
 make by hand; if the flags are already set there, everything works. Without them, what Redis
