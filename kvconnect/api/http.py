@@ -8,9 +8,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import zlib
 
 from aiohttp import web
+from aiohttp.http_exceptions import PayloadEncodingError
 from aiohttp.typedefs import Handler
+from aiohttp.web_protocol import RequestPayloadError
 
 from kvconnect.api.protocol import MAX_BODY_BYTES, ApiError
 
@@ -23,12 +26,23 @@ def error_response(e: ApiError) -> web.Response:
 
 
 async def read_body(http: web.Request) -> bytes:
+    """The body, at most MAX_BODY_BYTES: a declared length over it is a 413 before anything is
+    read (no waiting for a body that may never come); a compressed body that does not decode
+    is a 400."""
+    declared = http.content_length
+    if declared is not None and declared > MAX_BODY_BYTES:
+        raise ApiError(
+            f"request body of {declared} bytes is over the limit of {MAX_BODY_BYTES}", status=413
+        )
     try:
         return await http.read()
     except web.HTTPRequestEntityTooLarge:
         raise ApiError(
             f"request body is over the limit of {MAX_BODY_BYTES} bytes", status=413
         ) from None
+    except (RequestPayloadError, PayloadEncodingError, zlib.error, web.HTTPBadRequest) as e:
+        encoding = http.headers.get("Content-Encoding", "none")
+        raise ApiError(f"the body does not decode (Content-Encoding: {encoding}): {e}") from None
 
 
 @web.middleware

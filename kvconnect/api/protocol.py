@@ -97,7 +97,8 @@ class _Sampling(_Request, kw_only=True):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
-    cache_salt: Annotated[str, msgspec.Meta(max_length=1024)] | None = None
+    cache_salt: Annotated[str, msgspec.Meta(min_length=1, max_length=1024)] | None = None
+    """Non-empty when given: an empty salt would silently mean no salt (vLLM refuses it too)."""
     return_token_ids: bool = False
     """vLLM's extension: each choice carries its generated `token_ids` and the prompt's
     `prompt_token_ids` (in a stream: the first chunk has the prompt's, each the delta's)."""

@@ -8,6 +8,9 @@ from typing import Any
 
 from kvconnect.hashing import DEFAULT_ALGORITHM, ExtraKeys, RequestBlockHasher, to_event
 
+SAMPLING_EPS = 1e-5
+"""Temperatures below this are greedy (vLLM's `_SAMPLING_EPS`)."""
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -18,7 +21,8 @@ class SamplingParams:
     max_tokens: int = 16
     """New tokens to generate at most."""
     temperature: float = 0.0
-    """0 is greedy; above 0 samples from softmax(logits / temperature)."""
+    """0 is greedy; above 0 samples from softmax(logits / temperature). Below `SAMPLING_EPS`
+    it is 0, as in vLLM."""
     top_p: float = 1.0
     """Sample only from the smallest set of tokens whose probability reaches top_p."""
     top_k: int = 0
@@ -42,6 +46,8 @@ class SamplingParams:
             raise fail("max_tokens", "must be an integer >= 1")
         if not _is_number(self.temperature) or not 0 <= self.temperature <= 100:
             raise fail("temperature", "must be a number in [0, 100]")
+        if self.temperature < SAMPLING_EPS:  # as vLLM: greedy (logits / 1e-320 is inf)
+            object.__setattr__(self, "temperature", 0.0)
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
             raise fail("top_p", "must be a number in (0, 1]")
         if not _is_int(self.top_k) or self.top_k < -1:

@@ -206,6 +206,8 @@ def sample(logits: torch.Tensor, s: ScheduledRequest) -> int:
     if s.temperature == 0:
         return int(logits.argmax())
     probs = torch.softmax(logits / s.temperature, dim=-1)
+    if not bool(torch.isfinite(probs).all()):  # logits that overflow at this temperature
+        return int(logits.argmax())
     if 0 < s.top_k < probs.numel() or s.top_p < 1.0:
         sorted_probs, order = probs.sort(descending=True)
         keep = torch.ones_like(sorted_probs, dtype=torch.bool)

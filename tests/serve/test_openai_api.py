@@ -214,3 +214,55 @@ def test_health(served: tuple[Serve, RouterProcess]) -> None:
 def test_unknown_paths_are_404_not_5xx(served: tuple[Serve, RouterProcess]) -> None:
     for target in served:
         assert get(target.url + "/v1/embeddings")[0] == 404
+
+
+def raw_post(target: Serve | RouterProcess, head: bytes, body: bytes = b"") -> tuple[int, bytes]:
+    """One request written by hand (headers a client library would not send); status, body."""
+    import socket
+
+    with socket.create_connection(("127.0.0.1", target.port), timeout=10) as sock:
+        sock.sendall(head + body)
+        data = b""
+        while b"\r\n\r\n" not in data:
+            data += sock.recv(65536)
+        status = int(data.split(b" ", 2)[1])
+        return status, data.split(b"\r\n\r\n", 1)[1]
+
+
+def test_a_subnormal_temperature_is_greedy_and_harms_nothing(client: openai.OpenAI) -> None:
+    greedy = client.completions.create(model="tiny", prompt="Hi", max_tokens=6, **GREEDY)
+    tiny = client.completions.create(
+        model="tiny", prompt="Hi", max_tokens=6, temperature=1e-320, extra_body={"ignore_eos": True}
+    )
+    assert tiny.choices[0].text == greedy.choices[0].text
+    assert client.models.list().data  # the instance is alive
+
+
+def test_compressed_bodies_that_do_not_decode_are_400s(served: tuple[Serve, RouterProcess]) -> None:
+    for target in served:
+        for encoding in (b"gzip", b"deflate"):
+            body = b"\x1f\x8b not really compressed"
+            head = (
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b"Content-Encoding: " + encoding + b"\r\nContent-Length: %d\r\n\r\n" % len(body)
+            )
+            status, answer = raw_post(target, head, body)
+            assert status == 400 and b"does not decode" in answer, (target.url, answer)
+
+
+def test_a_declared_length_over_the_limit_is_a_413_before_any_body(
+    served: tuple[Serve, RouterProcess],
+) -> None:
+    for target in served:
+        head = (
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 1000000000\r\n\r\n"
+        )
+        status, answer = raw_post(target, head)  # no body sent: the answer comes anyway
+        assert status == 413 and b"limit" in answer
+
+
+def test_an_empty_cache_salt_is_refused(served: tuple[Serve, RouterProcess]) -> None:
+    for target in served:
+        status, body, _ = post(target.url + "/v1/completions", {"prompt": "x", "cache_salt": ""})
+        assert status == 400 and body["error"]["param"] == "cache_salt", body
