@@ -256,7 +256,8 @@ class OffloadScheduler:
         """Whether events are still to come for work already under way (workers' I/O, or
         removals the watcher noticed): the engine should keep stepping, even idle."""
         return (
-            self._unreported
+            self._reset  # the workers must be told, even on an idle engine
+            or self._unreported
             or any(self.pending_io.values())
             or self.quorum.num_pending > 0
             or (self.watcher is not None and self.watcher.has_removed)
@@ -280,7 +281,10 @@ class OffloadScheduler:
             self.lookup.forget(request.request_id)
 
     def reset_cache(self) -> bool:
+        """The local tiers are emptied by the workers at the next step: from now on nothing
+        is planned from them (a load planned now would meet an emptied tier)."""
         self._reset = True
+        self.held.clear()
         return True
 
     def shutdown(self) -> None:

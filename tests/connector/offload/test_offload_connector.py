@@ -270,3 +270,28 @@ def test_worker_metadata_folds_events_and_pending_io_per_rank() -> None:
     )
     assert isinstance(folded, OffloadWorkerMetadata)
     assert folded.events_by_rank == {0: [e0], 1: [e1]} and folded.pending_io == {0: 2, 1: 0}
+
+
+def test_after_a_reset_nothing_is_planned_from_the_tiers_being_emptied(tmp_path: Path) -> None:
+    """vLLM may schedule a request in the very step that carries the reset to the workers: a
+    load planned from the local tiers would meet tiers emptied first (a load error, or under
+    vLLM's default policy a failed request). The reset must stop such plans at once."""
+    loop = Loop([{"kind": "cpu", "max_bytes": 1 << 20}])
+    tokens = list(range(40, 61))
+    try:
+        loop.step([("a", tokens, loop.blocks(6))])
+        loop.step()
+        assert loop.sched.get_num_new_matched_tokens(Req("b", tokens), 4) == (12, True)
+        half = loop.sched.scheduler
+        assert half is not None and half.has_pending_work() is False
+        assert loop.sched.reset_cache() is True
+        assert half.has_pending_work() is True  # an idle engine still steps to tell them
+        assert loop.sched.get_num_new_matched_tokens(Req("c", tokens), 4) == (0, False)
+        loop.step()  # the reset reaches the workers: the tier's chunks are announced removed
+        stored = [e for e in loop.events if isinstance(e, BlockStored)]
+        removed = [e for e in loop.events if isinstance(e, BlockRemoved)]
+        assert len(stored) == len(removed) == 2  # both chunks, announced gone
+        assert held_by_events(loop.events) == {"CPU": Counter()} and loop.invalid == set()
+        assert half.has_pending_work() is False
+    finally:
+        loop.shutdown()
