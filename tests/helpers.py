@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import socket
 import time
 from collections.abc import Callable
@@ -14,23 +15,53 @@ from kvconnect.events import BlockRemoved, BlockStored, KVEventBatch
 from kvconnect.stream.publisher import EventPublisher, ZmqEventPublisher
 from kvconnect.stream.subscriber import KVEventSubscriber, ReceivedBatch, SubscriberItem
 
+_rng = random.Random()  # its own generator: a test seeding `random` must not repeat ports
+_handed_out: set[int] = set()
+"""Ports this process has given a test already: never again in this session (libzmq and
+killed processes release theirs late)."""
+
+
+def _worker() -> tuple[int, int]:
+    """(this pytest-xdist worker's index, the number of workers); (0, 1) without xdist."""
+    name = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    return int(name.removeprefix("gw")), int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+
+
+def worker_ports(low: int, high: int, span: int = 1) -> list[int]:
+    """The ports p in [low, high) that this worker may use with p..p+span-1. Parallel
+    workers own disjoint ports: p belongs to worker (p % 10000) * count // 10000. Ports 10000
+    apart have one owner, so a `kvconnect serve` port and the event ports it derives (+10000,
+    +20000) all belong to the worker that chose it."""
+    index, count = _worker()
+    owned = range(index * 10000 // count, (index + 1) * 10000 // count)
+    return [p for p in range(low, high) if p % 10000 in owned and p % 10000 + span - 1 in owned]
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def pick_port(candidates: list[int], ports_of: Callable[[int], list[int]]) -> int:
+    """A random candidate p whose `ports_of(p)` are all free now and new to this process."""
+    for _ in range(500):
+        port = _rng.choice(candidates)
+        ports = ports_of(port)
+        if not _handed_out.intersection(ports) and all(_bindable(p) for p in ports):
+            _handed_out.update(ports)
+            return port
+    raise RuntimeError("no free port found")
+
 
 def free_port(span: int = 1) -> int:
-    """A port p such that p..p+span-1 are free on 127.0.0.1 right now."""
-    for _ in range(200):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port + span >= 65535:
-            continue
-        try:
-            for p in range(port + 1, port + span):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", p))
-        except OSError:
-            continue
-        return int(port)
-    raise RuntimeError("no free port range found")
+    """A port p such that p..p+span-1 are free on 127.0.0.1 right now. Taken from 10000-19999,
+    below the kernel's ephemeral range (32768-60999), so no outgoing connection holds it by
+    chance, and from this xdist worker's own share of it."""
+    return pick_port(worker_ports(10000, 20000, span), lambda p: list(range(p, p + span)))
 
 
 def tcp_pair() -> tuple[str, str]:

@@ -6,9 +6,7 @@ from __future__ import annotations
 import json
 import os
 import queue
-import random
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -16,7 +14,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from tests.helpers import free_port
+from tests.helpers import free_port, pick_port, worker_ports
 
 READY_TIMEOUT_S = 120.0
 
@@ -99,20 +97,14 @@ class Process:
 
 def serve_port(num_instances: int = 1) -> int:
     """A free port p such that p+1..p+num_instances-1 and their derived event ports (+10000,
-    +20000, see kvconnect.commands.startup) are free too. OS-chosen ports are often above
-    45535, so this
-    probes from random bases."""
-    for _ in range(500):
-        port = random.randrange(20000, 45000 - num_instances)
-        try:
-            for base in range(port, port + num_instances):
-                for p in (base, base + 10000, base + 20000):
-                    with socket.socket() as s:
-                        s.bind(("127.0.0.1", p))
-        except OSError:
-            continue
-        return port
-    raise RuntimeError("no free port with free derived event ports")
+    +20000, see kvconnect.commands.startup) are free too. p is below the kernel's ephemeral
+    range and in this xdist worker's share of ports (see `tests.helpers.worker_ports`)."""
+
+    def ports_of(port: int) -> list[int]:
+        bases = range(port, port + num_instances)
+        return [p + offset for p in bases for offset in (0, 10000, 20000)]
+
+    return pick_port(worker_ports(20000, 30000, num_instances), ports_of)
 
 
 class Serve(Process):

@@ -211,9 +211,7 @@ def test_a_port_in_use_is_named_before_the_model_loads(capsys: pytest.CaptureFix
 
 
 def test_an_unreachable_redis_tier_is_named(capsys: pytest.CaptureFixture[str]) -> None:
-    with socket.socket() as s:  # a port nothing listens on
-        s.bind(("127.0.0.1", 0))
-        url = f"redis://127.0.0.1:{s.getsockname()[1]}"
+    url = f"redis://127.0.0.1:{free_port()}"  # a port nothing listens on
     config = json.dumps(
         {
             "kv_connector": "OffloadConnector",

@@ -1,12 +1,15 @@
 import multiprocessing as mp
-import socket
 from datetime import timedelta
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 
 from kvconnect.engine.shm_all_reduce import ShmAllReduce, ShmAllReduceHandle, ShmAllReduceOwner
+from tests.helpers import free_port
+
+pytestmark = pytest.mark.slow  # three processes
 
 
 def rank_main(handle: ShmAllReduceHandle, rank: int, port: int, out: Any) -> None:
@@ -35,9 +38,7 @@ def test_shared_memory_all_reduce_sums_exactly_across_ranks() -> None:
     ctx = mp.get_context("spawn")
     world = 3
     owner = ShmAllReduceOwner(ctx, world, capacity=4096)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # gloo's rendezvous, in this xdist worker's own ports
     out = ctx.Queue()
     procs = [ctx.Process(target=rank_main, args=(owner.handle, r, port, out)) for r in range(world)]
     for p in procs:

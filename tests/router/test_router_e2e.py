@@ -3,13 +3,14 @@ routing by cached prefix and by load, and instances dying, hanging and coming ba
 
 from __future__ import annotations
 
+import contextlib
+import http.client
 import json
 import os
 import re
 import signal
 import subprocess
 import sys
-import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -49,6 +50,29 @@ def complete(router: RouterProcess, prompt: str, **fields: Any) -> tuple[dict[st
     return body, headers["x-kvconnect-instance"]
 
 
+@contextlib.contextmanager
+def open_stream(router: RouterProcess, prompt: str, **fields: Any) -> Iterator[str]:
+    """A streamed completion, open until the block ends (then dropped mid-answer); yields the
+    instance it went to once its first token has come."""
+    conn = http.client.HTTPConnection("127.0.0.1", router.port, timeout=60)
+    try:
+        body = json.dumps({"prompt": prompt, "stream": True, **fields})
+        conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        assert resp.status == 200, resp.read()
+        assert resp.readline().startswith(b"data: ")  # a token: the engine runs it
+        yield str(resp.getheader("x-kvconnect-instance"))
+    finally:
+        conn.close()
+
+
+def serve_metric(engine: Serve, name: str) -> float:
+    _, text = get(engine.url + "/metrics")
+    found = re.search(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M)
+    assert found, name
+    return float(found.group(1))
+
+
 def cached_blocks(router: RouterProcess, prompt: str) -> dict[str, int]:
     status, body, _ = post(router.url + "/kv/score", {"prompt": prompt})
     assert status == 200, body
@@ -80,23 +104,22 @@ def wait_for(pred: Callable[[], bool], timeout: float = 20.0) -> float:
 def test_repeated_prompt_follows_its_cache_and_cold_prompt_avoids_load(
     cluster: tuple[list[Serve], RouterProcess],
 ) -> None:
-    _, router = cluster
+    engines, router = cluster
     _, where = complete(router, LONG + "one", max_tokens=4)
     wait_for(lambda: cached_blocks(router, LONG + "one")[where] > 0)
     again, where2 = complete(router, LONG + "two", max_tokens=4)
     assert where2 == where
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= 16 * 30
-    # Keep `where` busy with a long request, then send a cold prompt: it goes elsewhere.
-    slow = threading.Thread(
-        target=complete,
-        args=(router, LONG + "three"),
-        kwargs={"max_tokens": 400, "ignore_eos": True},
-    )
-    slow.start()
-    wait_for(lambda: metric(router, "kvconnect_router_in_flight", where) == 1)
-    _, cold_where = complete(router, "a completely different prompt " * 3, max_tokens=2)
-    slow.join()
+    # Keep `where` busy with a long request, then send a cold prompt: it goes elsewhere. The
+    # long one is streamed and dropped once the cold one is placed: its instance aborts it.
+    with open_stream(router, LONG + "three", max_tokens=400, ignore_eos=True) as busy:
+        assert busy == where
+        wait_for(lambda: metric(router, "kvconnect_router_in_flight", where) == 1)
+        _, cold_where = complete(router, "a completely different prompt " * 3, max_tokens=2)
     assert cold_where != where
+    wait_for(lambda: metric(router, "kvconnect_router_in_flight", where) == 0)
+    engine = next(e for e in engines if e.url == where)
+    wait_for(lambda: serve_metric(engine, "vllm:num_requests_running") == 0)
     _, text = get(router.url + "/metrics")
     assert 'kvconnect_router_hit_blocks_total{tier="GPU"}' in text
 
@@ -187,3 +210,19 @@ def test_no_instance_up_is_a_503_and_health_says_so(tmp_path: Path) -> None:
         assert router.alive()
     finally:
         assert router.stop() == 0, router.logs()
+
+
+def test_tokenize_detokenize_and_version_go_through(
+    cluster: tuple[list[Serve], RouterProcess],
+) -> None:
+    engines, router = cluster
+    status, body, headers = post(router.url + "/tokenize", {"prompt": "Hi there"})
+    assert status == 200 and headers["x-kvconnect-instance"] in {e.url for e in engines}
+    _, direct, _ = post(engines[0].url + "/tokenize", {"prompt": "Hi there"})
+    assert body == direct and body["count"] == len(body["tokens"]) == len("Hi there")
+    status, back, _ = post(router.url + "/detokenize", {"tokens": body["tokens"]})
+    assert status == 200 and back == {"prompt": "Hi there"}
+    status, bad, _ = post(router.url + "/detokenize", {"tokens": "nope"})
+    assert status == 400 and bad["error"]["param"] == "tokens"  # the instance's own answer
+    status, version = get(router.url + "/version")
+    assert status == 200 and isinstance(version["version"], str)

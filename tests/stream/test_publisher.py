@@ -7,8 +7,8 @@ from collections.abc import Iterator
 from queue import Empty
 from typing import Any
 
-import pytest
 import msgspec
+import pytest
 import zmq
 
 from kvconnect.config import KVEventsConfig
