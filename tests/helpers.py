@@ -15,10 +15,19 @@ from kvconnect.events import BlockRemoved, BlockStored, KVEventBatch
 from kvconnect.stream.publisher import EventPublisher, ZmqEventPublisher
 from kvconnect.stream.subscriber import KVEventSubscriber, ReceivedBatch, SubscriberItem
 
+# Ports the tests choose (rather than the kernel: a process told its port binds it only later):
+# all below the kernel's ephemeral range (32768-60999), where an outgoing connection of any
+# process could take one between the choice and the bind.
+SERVE_BASES = range(2000, 12000)
+"""`kvconnect serve` HTTP ports; the KV event ports it derives (+10000, +20000) stay below
+32000."""
+PLAIN_PORTS = range(12000, 32000)
+"""Everything else (publishers, routers, redis-server, raw sockets)."""
+
 _rng = random.Random()  # its own generator: a test seeding `random` must not repeat ports
 _handed_out: set[int] = set()
 """Ports this process has given a test already: never again in this session (libzmq and
-killed processes release theirs late)."""
+killed processes release theirs late, and a serve port's derived ones are taken too)."""
 
 
 def _worker() -> tuple[int, int]:
@@ -27,14 +36,14 @@ def _worker() -> tuple[int, int]:
     return int(name.removeprefix("gw")), int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 
 
-def worker_ports(low: int, high: int, span: int = 1) -> list[int]:
-    """The ports p in [low, high) that this worker may use with p..p+span-1. Parallel
-    workers own disjoint ports: p belongs to worker (p % 10000) * count // 10000. Ports 10000
-    apart have one owner, so a `kvconnect serve` port and the event ports it derives (+10000,
-    +20000) all belong to the worker that chose it."""
+def worker_ports(ports: range, span: int = 1) -> list[int]:
+    """The ports p of `ports` that this worker may use with p..p+span-1. Parallel workers own
+    disjoint ports: p belongs to worker (p % 10000) * count // 10000. Ports 10000 apart have
+    one owner, so a `kvconnect serve` port and the event ports it derives (+10000, +20000)
+    all belong to the worker that chose it."""
     index, count = _worker()
     owned = range(index * 10000 // count, (index + 1) * 10000 // count)
-    return [p for p in range(low, high) if p % 10000 in owned and p % 10000 + span - 1 in owned]
+    return [p for p in ports if p % 10000 in owned and p % 10000 + span - 1 in owned]
 
 
 def _bindable(port: int) -> bool:
@@ -58,10 +67,9 @@ def pick_port(candidates: list[int], ports_of: Callable[[int], list[int]]) -> in
 
 
 def free_port(span: int = 1) -> int:
-    """A port p such that p..p+span-1 are free on 127.0.0.1 right now. Taken from 10000-19999,
-    below the kernel's ephemeral range (32768-60999), so no outgoing connection holds it by
-    chance, and from this xdist worker's own share of it."""
-    return pick_port(worker_ports(10000, 20000, span), lambda p: list(range(p, p + span)))
+    """A port p such that p..p+span-1 are free on 127.0.0.1 right now, from this xdist
+    worker's share of `PLAIN_PORTS`."""
+    return pick_port(worker_ports(PLAIN_PORTS, span), lambda p: list(range(p, p + span)))
 
 
 def tcp_pair() -> tuple[str, str]:

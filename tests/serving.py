@@ -14,7 +14,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from tests.helpers import free_port, pick_port, worker_ports
+from tests.helpers import SERVE_BASES, free_port, pick_port, worker_ports
 
 READY_TIMEOUT_S = 120.0
 
@@ -33,11 +33,35 @@ class Process:
         """stdout up to the ready line."""
 
     def start(self, timeout: float = READY_TIMEOUT_S) -> str:
-        """Start (or start again, after a kill) and wait for the ready line."""
+        """Start (or start again, after a kill) and wait for the ready line. A first start
+        that finds a port of its taken (by anything on this machine, between the choice and
+        the bind) is tried again on new ports (`new_ports`), twice at most."""
+        for _ in range(2):
+            try:
+                return self._start(timeout)
+            except AssertionError:
+                if self.ready_line or self.alive() or not self.port_taken():
+                    raise
+            self.seen = []
+            self.new_ports()
+        return self._start(timeout)
+
+    def port_taken(self) -> bool:
+        """Whether the start that just failed found a port of its in use."""
+        return "Address already in use" in self.logs()
+
+    def new_ports(self) -> None:
+        raise NotImplementedError(f"{type(self).__name__} chooses no ports of its own")
+
+    def command(self) -> list[str]:
+        """The kvconnect command line, read at each start."""
+        return self.args
+
+    def _start(self, timeout: float) -> str:
         self.lines = queue.SimpleQueue()
         with open(self.log, "a") as err:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "kvconnect.cli", *self.args],
+                [sys.executable, "-m", "kvconnect.cli", *self.command()],
                 stdout=subprocess.PIPE,
                 stderr=err,
                 text=True,
@@ -97,34 +121,37 @@ class Process:
 
 def serve_port(num_instances: int = 1) -> int:
     """A free port p such that p+1..p+num_instances-1 and their derived event ports (+10000,
-    +20000, see kvconnect.commands.startup) are free too. p is below the kernel's ephemeral
-    range and in this xdist worker's share of ports (see `tests.helpers.worker_ports`)."""
+    +20000, see kvconnect.commands.startup) are free too, from this xdist worker's share of
+    `SERVE_BASES`."""
 
     def ports_of(port: int) -> list[int]:
         bases = range(port, port + num_instances)
         return [p + offset for p in bases for offset in (0, 10000, 20000)]
 
-    return pick_port(worker_ports(20000, 30000, num_instances), ports_of)
+    return pick_port(worker_ports(SERVE_BASES, num_instances), ports_of)
 
 
 class Serve(Process):
     """`kvconnect serve --model tiny` with KV events on (addresses derived from its port)."""
 
     def __init__(self, tmp: Path, *extra: str, model: str = "tiny") -> None:
+        self.tmp, self.extra, self.model = tmp, extra, model
+        self.new_ports()
+        super().__init__(self.args, self.log)
+
+    def new_ports(self) -> None:
         self.port = serve_port()
-        super().__init__(
-            [
-                "serve",
-                "--model",
-                model,
-                "--port",
-                str(self.port),
-                "--kv-events-config",
-                json.dumps({"enable_kv_cache_events": True}),
-                *extra,
-            ],
-            tmp / f"serve-{self.port}.log",
-        )
+        self.args = [
+            "serve",
+            "--model",
+            self.model,
+            "--port",
+            str(self.port),
+            "--kv-events-config",
+            json.dumps({"enable_kv_cache_events": True}),
+            *self.extra,
+        ]
+        self.log = self.tmp / f"serve-{self.port}.log"
 
     @property
     def url(self) -> str:
@@ -138,11 +165,21 @@ class Serve(Process):
 
 class RouterProcess(Process):
     def __init__(self, tmp: Path, instances: list[Serve], *extra: str) -> None:
+        self.tmp, self.instances, self.extra = tmp, instances, extra
+        self.new_ports()
+        super().__init__([], self.log)
+
+    def new_ports(self) -> None:
         self.port = free_port()
+        self.log = self.tmp / f"router-{self.port}.log"
+
+    def command(self) -> list[str]:
+        """Built at each start: it names the instances' addresses as they are then (an
+        instance that found a port taken moved)."""
         args = ["router", "--model", "tiny", "--port", str(self.port)]
-        for s in instances:
+        for s in self.instances:
             args += ["--instance", s.instance]
-        super().__init__([*args, *extra], tmp / f"router-{self.port}.log")
+        return [*args, *self.extra]
 
     @property
     def url(self) -> str:

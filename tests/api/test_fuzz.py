@@ -27,7 +27,7 @@ import pytest
 
 from tests.serving import RouterProcess, Serve, get
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.solo]  # every request answers within its deadline
 
 TIMEOUT_S = 60.0
 

@@ -16,12 +16,20 @@ pytestmark = pytest.mark.slow
 
 class Cluster(Process):
     def __init__(self, tmp: Path) -> None:
+        super().__init__([], tmp / "cluster.log")
+        self.new_ports()
+        self.ready_marker = "# serving"
+
+    def new_ports(self) -> None:
         # The router on P, instances on P+1, P+2 (events on +10000, replay on +20000).
         self.port = serve_port(3)
-        super().__init__(
-            ["cluster", "--base-port", str(self.port), "--demo-rounds", "2"], tmp / "cluster.log"
-        )
-        self.ready_marker = "# serving"
+        self.args = ["cluster", "--base-port", str(self.port), "--demo-rounds", "2"]
+
+    def port_taken(self) -> bool:
+        """The cluster's own log or an instance's (in the directory its first line names)."""
+        dirs = [m.group(1) for line in self.seen if (m := re.search(r"logs in (\S+)", line))]
+        logs = [f.read_text(errors="replace") for d in dirs for f in Path(d).glob("*.log")]
+        return any("Address already in use" in text for text in [self.logs(), *logs])
 
 
 def test_make_run_answers_the_openai_client_and_stops_on_ctrl_c(tmp_path: Path) -> None:
