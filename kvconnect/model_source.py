@@ -79,8 +79,19 @@ def gguf_reader(path: Path) -> Any:
         import gguf
     except ImportError as e:  # a declared dependency; only a broken install lacks it
         raise ValueError(f"reading {path} needs the gguf package: pip install gguf ({e})") from e
+    import numpy as np
+
+    class _Reader(gguf.GGUFReader):  # type: ignore[misc]
+        """Reads through a plain ndarray view of the memory map: numpy.memmap slices pay a
+        Python-level __array_finalize__ each, and parsing takes ~10^6 of them."""
+
+        def _get(self, offset: int, dtype: Any, count: int = 1, override_order: Any = None) -> Any:
+            if type(self.data) is np.memmap:
+                self.data = self.data.view(np.ndarray)
+            return super()._get(offset, dtype, count, override_order)
+
     try:
-        return gguf.GGUFReader(path)
+        return _Reader(path)
     except (OSError, ValueError, IndexError) as e:
         raise ValueError(f"{path}: not a readable GGUF file ({e})") from e
 

@@ -116,4 +116,6 @@ class GGUFWeights:
                 if dim == 0
                 else w[:, rank * size : (rank + 1) * size]
             )
-        return torch.from_numpy(np.array(w, dtype=np.float32))  # a copy: the file is read-only
+        if not w.flags.writeable or not w.flags.c_contiguous:  # a view of the read-only file
+            w = np.array(w, dtype=np.float32)
+        return torch.from_numpy(w)

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from kvconnect.model.config import TINY, ModelConfig
 from kvconnect.model.gguf import GGUFWeights
@@ -76,15 +77,20 @@ def _fill(
     rank: int,
     tp: int,
 ) -> None:
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            tensor = read(name, shard_dim(name), rank, tp)
-            if tensor.shape != param.shape:
-                raise ValueError(
-                    f"weight {name}: shape {tuple(tensor.shape)} on rank {rank}, expected "
-                    f"{tuple(param.shape)}"
-                )
-            param.copy_(tensor)
+    """Give every parameter of `model` (built on the meta device) its weight as read."""
+    new: dict[int, nn.Parameter] = {}
+    for name, param in model.named_parameters():  # a tied weight once
+        tensor = read(name, shard_dim(name), rank, tp)
+        if tensor.shape != param.shape:
+            raise ValueError(
+                f"weight {name}: shape {tuple(tensor.shape)} on rank {rank}, expected "
+                f"{tuple(param.shape)}"
+            )
+        new[id(param)] = nn.Parameter(tensor.contiguous(), requires_grad=False)
+    for module in model.modules():
+        for key, p in list(module._parameters.items()):
+            if p is not None:
+                module._parameters[key] = new[id(p)]
 
 
 def load_model(
@@ -95,7 +101,8 @@ def load_model(
     torch_dtype = _resolve_dtype(dtype)
     config, tokenizer = load_model_info(model)
     config.check_tensor_parallel(tp)
-    llm = LlamaForCausalLM(config, tp)
+    with torch.device("meta"):
+        llm = LlamaForCausalLM(config, tp)
     source = resolve_model(model)
     if source.kind is ModelKind.TINY:
         full = tiny_state_dict(TINY, seed)
