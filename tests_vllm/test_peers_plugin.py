@@ -28,9 +28,8 @@ other, hence the fanout; it passes every message through unchanged, and it count
 subscriptions it is sent, so the module starts only once all three readers subscribed.
 
 tests_peers' helpers are written for `kvconnect serve --model tiny` (block size 16, model
-name "tiny"). vLLM on CPU needs block sizes that are multiples of 32: the peers are built
-with tests_peers.peers.BLOCK_SIZE set to 32 while they are started (it is read nowhere else),
-and vLLM serves the model under the name "tiny" the helpers' requests use.
+name "tiny"). vLLM on CPU needs block sizes that are multiples of 32: the peers are started
+with block_size=32, and vLLM serves the model under the name "tiny" the helpers' requests use.
 
 Prompts are 160 token ids (5 blocks); the plugin stores whole chunks of 128 tokens (4 blocks)
 of them. vllm-router is asked about a prompt plus one more block (it credits only whole blocks
@@ -49,12 +48,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from unittest import mock
 
 import pytest
 import zmq
 
-from tests_peers import peers
 from tests_peers.instances import Streams
 from tests_peers.peers import Dynamo, VllmRouter, tiers
 from tests_peers.support import MODEL, completion, free_port, http, prompt, wait_for
@@ -257,13 +254,11 @@ def world(model_dir: Path) -> Iterator[World]:
         stoppable.append(fanout)
         streams = Streams({NAME: fanout.ipc})
         stoppable.append(streams)
-        with mock.patch.object(peers, "BLOCK_SIZE", BLOCK):
-            router = VllmRouter(
-                venvs / "vllm-router", {server.url: (fanout.tcp, server.replay)}, workdir
-            )
-            stoppable.append(router)
-            dynamo = Dynamo(venvs / "dynamo", {DYNAMO_ID: fanout.ipc}, workdir)
-            stoppable.append(dynamo)
+        sources = {server.url: (fanout.tcp, server.replay)}
+        router = VllmRouter(venvs / "vllm-router", sources, workdir, block_size=BLOCK)
+        stoppable.append(router)
+        dynamo = Dynamo(venvs / "dynamo", {DYNAMO_ID: fanout.ipc}, workdir, block_size=BLOCK)
+        stoppable.append(dynamo)
         router.wait_ready()
         dynamo.wait_ready(1)
         fanout.wait_for_subscribers(3)  # vllm-router, Dynamo, Streams
