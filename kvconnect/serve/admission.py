@@ -12,7 +12,10 @@ A request that would go over either is refused at once with a 503 and `Retry-Aft
 server is overloaded, not the client over a quota: 429 would say the latter; vLLM and llm-d's
 gateways answer overload with 503 too), unless nothing is waiting: then it is admitted
 whatever its size, so that a request the protocol allows is never refused for ever. A request
-already running is never stopped by admission. Used on the event loop only.
+already running is never stopped by admission. A prompt longer than the model's context
+(`max_prompt_tokens`) does not count: the engine refuses it (a 400) the moment it takes it, so
+it never waits, and a huge prompt must not turn other clients away with 503s on its way to its
+own 400. Used on the event loop only.
 
     admitted = admission.admit(jobs)        None, or the ApiError (503) to answer with
     ... the engine loop calls job.on_started once per job (first output, failure)
@@ -34,6 +37,7 @@ class Admission:
         self,
         max_num_waiting: int = MAX_NUM_WAITING,
         max_num_waiting_tokens: int = MAX_NUM_WAITING_TOKENS,
+        max_prompt_tokens: int | None = None,
     ) -> None:
         for name, value in (
             ("max_num_waiting", max_num_waiting),
@@ -43,12 +47,16 @@ class Admission:
                 raise ValueError(f"{name}={value}: must be at least 1")
         self.max_num_waiting = max_num_waiting
         self.max_num_waiting_tokens = max_num_waiting_tokens
+        self.max_prompt_tokens = max_prompt_tokens
         self.num_waiting = 0
         self.num_waiting_tokens = 0
         self.num_refused = 0
 
     def admit(self, jobs: list[Job]) -> ApiError | None:
         """Count `jobs` as waiting, or the 503 that refuses them all."""
+        limit = self.max_prompt_tokens
+        if limit is not None:
+            jobs = [job for job in jobs if len(job.prompt) <= limit]
         num_tokens = sum(len(job.prompt) for job in jobs)
         busy = self.num_waiting > 0
         if busy and (

@@ -125,7 +125,9 @@ class OpenAIServer:
         self.metrics = metrics
         self.options = options or ServeOptions()
         self.admission = Admission(
-            self.options.max_num_waiting, self.options.max_num_waiting_tokens
+            self.options.max_num_waiting,
+            self.options.max_num_waiting_tokens,
+            max_prompt_tokens=self.info.max_model_len,
         )
 
     # -- preparing ----------------------------------------------------------------------------
