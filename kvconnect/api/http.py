@@ -35,16 +35,22 @@ async def read_body(http: web.Request) -> bytes:
         raise ApiError(
             f"request body of {declared} bytes is over the limit of {MAX_BODY_BYTES}", status=413
         )
+    if http.content.is_eof():  # the whole body came with the head: nothing to wait for
+        return await _read(http)
     deadline = http.config_dict.get(BODY_TIMEOUT, BODY_TIMEOUT_S)
     try:
-        if http.content.is_eof():  # the whole body came with the head: nothing to wait for
-            return await http.read()
         async with asyncio.timeout(deadline):
-            return await http.read()
+            return await _read(http)
     except TimeoutError:
         raise ApiError(
             f"the request body did not arrive within {deadline:g} s", status=408
         ) from None
+
+
+async def _read(http: web.Request) -> bytes:
+    """The body; its size and encoding errors as `ApiError`s."""
+    try:
+        return await http.read()
     except web.HTTPRequestEntityTooLarge:
         raise ApiError(
             f"request body is over the limit of {MAX_BODY_BYTES} bytes", status=413
