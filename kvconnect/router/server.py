@@ -74,9 +74,9 @@ INLINE_TOKENIZE_BYTES = 16 << 10
 class RouterOptions:
     """The router's HTTP front beyond routing (the flags of `kvconnect router`)."""
 
-    api_key: str | None = None
-    admin_token: str | None = None
-    instance_api_key: str | None = None
+    api_key: str | None = field(default=None, repr=False)
+    admin_token: str | None = field(default=None, repr=False)
+    instance_api_key: str | None = field(default=None, repr=False)
     """Presented to the instances in place of the client's Authorization."""
     upstream_timeout: float = READ_TIMEOUT_S
     """Seconds an instance that took a request may stay silent (`upstream.py`)."""

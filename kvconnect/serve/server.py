@@ -21,6 +21,13 @@ server knows it only through that loop (`EngineLoop.info`: tokenizer, limits). W
 fails the server answers 503, logs one line and exits with status 1, so that a supervisor
 restarts it. Binds 127.0.0.1 unless told otherwise; one access log line per request.
 
+Trust (`ServeOptions`): the listener (`api/connections.py`) caps connections and gives request
+heads and bodies deadlines; `api/auth.py` checks the Bearer key when one is set; a client that
+goes away cancels its handler, whose `finally` aborts its engine requests; `admission.py`
+refuses work beyond the waiting limits with a 503 before anything reaches the engine; a
+deadline (`request_timeout`) aborts a generation with a 504; cached prompt tokens are told only
+with `enable_prompt_tokens_details`.
+
 /tokenize answers with the tokens the engine runs for the same prompt or messages, so that a
 router that tokenizes through it (vllm-router does) hashes the blocks this instance publishes.
 `add_special_tokens` is accepted and adds nothing, because kvconnect puts no special tokens
@@ -102,8 +109,8 @@ class ServeOptions:
     and it is answered 504 (or its stream ends with that error). None: no deadline."""
     enable_prompt_tokens_details: bool = False
     """`usage.prompt_tokens_details.cached_tokens` in answers, as vLLM's flag of that name."""
-    api_key: str | None = None
-    admin_token: str | None = None
+    api_key: str | None = field(default=None, repr=False)
+    admin_token: str | None = field(default=None, repr=False)
     limits: ConnectionLimits = field(default_factory=ConnectionLimits)
 
     def __post_init__(self) -> None:
