@@ -20,8 +20,9 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 # Two engine instances (SmolLM2-135M-Instruct, CPU offload tier, KV events on loopback) behind
-# the KV-aware router on :9000; a short two-tenant demo goes through it, then it serves until
-# Ctrl-C.
+# the KV-aware router on :9000; a short two-tenant demo goes through it (the instances run with
+# --enable-prompt-tokens-details, so that it prints each answer's cached tokens), then it serves
+# until Ctrl-C.
 run: $(STAMP)
 	$(BIN)/kvconnect cluster --instances 2
 

@@ -56,6 +56,13 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
+def positive_float(text: str) -> float:
+    value = float(text)
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{value} is not a positive number")
+    return value
+
+
 def positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -152,6 +159,31 @@ def _serve_flags(commands: Commands, common: Parser) -> None:
     s.add_argument("--host", default="127.0.0.1", help="bind address")
     s.add_argument("--port", type=port, default=8000, help="HTTP port")
     s.add_argument("--served-model-name", help="the model's name in the API (default: --model)")
+    s.add_argument(
+        "--max-num-waiting",
+        type=positive_int,
+        default=1024,
+        help="engine requests (n x prompts per HTTP request) waiting for their first token at "
+        "most; more are answered 503 with Retry-After",
+    )
+    s.add_argument(
+        "--max-num-waiting-tokens",
+        type=positive_int,
+        default=1 << 20,
+        help="prompt tokens of the waiting engine requests at most; more: 503",
+    )
+    s.add_argument(
+        "--request-timeout",
+        type=positive_float,
+        help="seconds a generation may take; then it is aborted and answered 504 (default: none)",
+    )
+    s.add_argument(
+        "--enable-prompt-tokens-details",
+        action="store_true",
+        help="usage.prompt_tokens_details.cached_tokens in answers, as vLLM's flag (it tells a "
+        "client which prefixes others sent)",
+    )
+    _http_flags(s, vllm_env=True)
 
 
 def _router_flags(commands: Commands, common: Parser) -> None:
@@ -183,11 +215,54 @@ def _router_flags(commands: Commands, common: Parser) -> None:
         help="one log line per request (off: as vllm-router, it costs ~15%% of the router's own "
         "time per request)",
     )
+    _http_flags(r, vllm_env=False)
+    r.add_argument(
+        "--instance-api-key",
+        help="the key the router presents to instances (Authorization: Bearer), in place of "
+        "the client's, which is forwarded otherwise (default: $KVCONNECT_INSTANCE_API_KEY)",
+    )
+    r.add_argument(
+        "--upstream-timeout",
+        type=positive_float,
+        default=600.0,
+        help="seconds an instance may stay silent (before its answer, between its pieces); "
+        "then the client gets a 504 and the instance leaves rotation",
+    )
     r.add_argument(
         "--tier-weights",
         default="GPU=1.0,CPU=0.8,STORAGE/LOCAL=0.5,STORAGE/REMOTE=0.3",
         help="weight of a cached block per tier (MEDIUM or MEDIUM/LOCALITY=W,...), over the "
         "defaults; a tier none names counts 0.1",
+    )
+
+
+def _http_flags(p: argparse.ArgumentParser, vllm_env: bool) -> None:
+    """What serve and router share: authentication and the limits of a connection."""
+    env = "$KVCONNECT_API_KEY" + (" or $VLLM_API_KEY" if vllm_env else "")
+    p.add_argument(
+        "--api-key",
+        help=f"clients must send Authorization: Bearer KEY on every path but /health "
+        f"(default: {env}; none: open)",
+    )
+    p.add_argument(
+        "--admin-token",
+        help="the token /metrics and /kv/score need instead of the API key "
+        "(default: $KVCONNECT_ADMIN_TOKEN, else the API key)",
+    )
+    p.add_argument(
+        "--max-connections", type=positive_int, default=1024, help="open connections at most"
+    )
+    p.add_argument(
+        "--header-timeout",
+        type=positive_float,
+        default=10.0,
+        help="seconds a connection has to send a whole request head (also idle keep-alive)",
+    )
+    p.add_argument(
+        "--body-timeout",
+        type=positive_float,
+        default=30.0,
+        help="seconds a request has to send its whole body (else 408)",
     )
 
 

@@ -15,6 +15,7 @@ from aiohttp.http_exceptions import PayloadEncodingError
 from aiohttp.typedefs import Handler
 from aiohttp.web_protocol import RequestPayloadError
 
+from kvconnect.api.connections import BODY_TIMEOUT, BODY_TIMEOUT_S
 from kvconnect.api.protocol import MAX_BODY_BYTES, ApiError
 
 logger = logging.getLogger(__name__)
@@ -28,12 +29,26 @@ def error_response(e: ApiError) -> web.Response:
 async def read_body(http: web.Request) -> bytes:
     """The body, at most MAX_BODY_BYTES: a declared length over it is a 413 before anything is
     read (no waiting for a body that may never come); a compressed body that does not decode
-    is a 400."""
+    is a 400; a body that does not arrive within the app's body deadline is a 408."""
     declared = http.content_length
     if declared is not None and declared > MAX_BODY_BYTES:
         raise ApiError(
             f"request body of {declared} bytes is over the limit of {MAX_BODY_BYTES}", status=413
         )
+    if http.content.is_eof():  # the whole body came with the head: nothing to wait for
+        return await _read(http)
+    deadline = http.config_dict.get(BODY_TIMEOUT, BODY_TIMEOUT_S)
+    try:
+        async with asyncio.timeout(deadline):
+            return await _read(http)
+    except TimeoutError:
+        raise ApiError(
+            f"the request body did not arrive within {deadline:g} s", status=408
+        ) from None
+
+
+async def _read(http: web.Request) -> bytes:
+    """The body; its size and encoding errors as `ApiError`s."""
     try:
         return await http.read()
     except web.HTTPRequestEntityTooLarge:

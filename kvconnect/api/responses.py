@@ -8,7 +8,9 @@
                       stream_options.include_usage a last chunk with no choices and the usage
 
 `usage.prompt_tokens_details.cached_tokens` counts the prompt tokens the engine did not compute:
-found in its prefix cache or loaded by its KV connector.
+found in its prefix cache or loaded by its KV connector. It is there only when the server was
+asked for it (`--enable-prompt-tokens-details`, as vLLM): it tells a client which prefixes
+other clients sent, on this instance or (through a shared tier) on any.
 """
 
 from __future__ import annotations
@@ -27,15 +29,18 @@ TokenIds = tuple[list[int], list[int]]
 class Usage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
-    cached_tokens: int = 0
+    cached_tokens: int | None = None
+    """None: `prompt_tokens_details` left out."""
 
     def body(self) -> dict[str, Any]:
-        return {
+        body: dict[str, Any] = {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "total_tokens": self.prompt_tokens + self.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
         }
+        if self.cached_tokens is not None:
+            body["prompt_tokens_details"] = {"cached_tokens": self.cached_tokens}
+        return body
 
 
 @dataclass

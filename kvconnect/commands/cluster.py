@@ -74,6 +74,9 @@ def instance_command(i: int, args: argparse.Namespace, redis_url: str | None) ->
         # Events on, their addresses derived from the HTTP port (see startup.py).
         "--kv-events-config",
         json.dumps({"enable_kv_cache_events": True}),
+        # The demo prints each answer's cached prompt tokens (and the router checks them
+        # against its index): on loopback, with the demo's own two tenants.
+        "--enable-prompt-tokens-details",
     ]
 
 

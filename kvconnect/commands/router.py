@@ -9,11 +9,13 @@ import logging
 from collections.abc import Coroutine
 from typing import Any
 
+from kvconnect.api.auth import admin_token_from, api_key_from, instance_api_key_from
+from kvconnect.api.connections import ConnectionLimits
 from kvconnect.commands.startup import check_port_free
 from kvconnect.events import tier_of
 from kvconnect.router.core import Instance, Router
 from kvconnect.router.index import DEFAULT_TIER_WEIGHTS, BlockIndex
-from kvconnect.router.server import serve_router
+from kvconnect.router.server import RouterOptions, serve_router
 from kvconnect.tokenizer import load_tokenizer
 
 
@@ -43,6 +45,13 @@ def run_router_command(args: argparse.Namespace) -> int:
         logging.getLogger("kvconnect.access").setLevel(logging.WARNING)
     instances = [Instance.parse(spec) for spec in args.instance]
     weights = parse_tier_weights(args.tier_weights)
+    options = RouterOptions(
+        api_key=api_key_from(args.api_key),
+        admin_token=admin_token_from(args.admin_token),
+        instance_api_key=instance_api_key_from(args.instance_api_key),
+        upstream_timeout=args.upstream_timeout,
+        limits=ConnectionLimits(args.max_connections, args.header_timeout, args.body_timeout),
+    )
     check_port_free(args.host, args.port, "--port")
     tokenizer = load_tokenizer(args.model)
     index = BlockIndex(
@@ -54,7 +63,7 @@ def run_router_command(args: argparse.Namespace) -> int:
     )
     router = Router(instances, index, tokenizer, args.load_weight).start()
     gc.freeze()  # what start-up made lives as long as the process: no collection walks it again
-    return run_event_loop(serve_router(router, args.host, args.port))
+    return run_event_loop(serve_router(router, args.host, args.port, options))
 
 
 def run_event_loop(main: Coroutine[Any, Any, int]) -> int:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from kvconnect.api.auth import admin_token_from, api_key_from
+from kvconnect.api.connections import ConnectionLimits
 from kvconnect.commands.startup import (
     check_events_ports,
     check_port_free,
@@ -11,13 +13,27 @@ from kvconnect.commands.startup import (
     transfer_config,
 )
 from kvconnect.engine.llm import LLM
-from kvconnect.serve.server import serve
+from kvconnect.serve.server import ServeOptions, serve
+
+
+def serve_options(args: argparse.Namespace) -> ServeOptions:
+    """The API's options from the flags (and the keys from the environment)."""
+    return ServeOptions(
+        max_num_waiting=args.max_num_waiting,
+        max_num_waiting_tokens=args.max_num_waiting_tokens,
+        request_timeout=args.request_timeout,
+        enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+        api_key=api_key_from(args.api_key, vllm_env=True),
+        admin_token=admin_token_from(args.admin_token),
+        limits=ConnectionLimits(args.max_connections, args.header_timeout, args.body_timeout),
+    )
 
 
 def run_serve(args: argparse.Namespace) -> int:
     """`kvconnect serve`: configs and ports checked, then the model loaded, then served."""
     events = events_config(args.kv_events_config, args.port)
     transfer = transfer_config(args.kv_transfer_config)
+    options = serve_options(args)
     check_port_free(args.host, args.port, "--port")
     check_events_ports(events)
     llm = LLM(
@@ -35,6 +51,7 @@ def run_serve(args: argparse.Namespace) -> int:
         pub = llm.publisher
         ready = f"; KV events {pub.endpoint}, replay {pub.replay_endpoint}"
     try:
-        return serve(llm, args.host, args.port, args.served_model_name or args.model, ready)
+        name = args.served_model_name or args.model
+        return serve(llm, args.host, args.port, name, ready, options)
     finally:
         llm.shutdown()

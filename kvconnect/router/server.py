@@ -13,6 +13,14 @@
     GET  /health                 each instance's state; 503 when none is in rotation
     GET  /metrics                Prometheus: decisions, hits per tier, index, streams, health
 
+Authentication (`api/auth.py`): with `api_key` every path but /health needs the client's
+`Authorization: Bearer`; /kv/score and /metrics need `admin_token` when one is set. Towards the
+instances the client's Authorization is forwarded unchanged (as llm-d's gateway and
+sglang's router do: one key works end to end, and instances with their own `--api-key` check
+it again), unless `instance_api_key` is set: then the router presents that key instead (as
+vllm-router's `--api-key`), and the instances may have a key of their own, which clients
+never see.
+
 Backends are any OpenAI-compatible servers (`kvconnect serve`, `vllm serve`) that publish KV
 events. The state (`core.Router`) is started by the caller; the app owns the HTTP client
 session and the health checks (`health.py`) for its lifetime. This module never imports torch.
@@ -24,12 +32,15 @@ import asyncio
 import contextlib
 import logging
 import signal
+from dataclasses import dataclass, field
 
 import aiohttp
 import msgspec
 from aiohttp import web
 
 from kvconnect import __version__
+from kvconnect.api.auth import BearerAuth
+from kvconnect.api.connections import ConnectionLimits, Listener
 from kvconnect.api.http import access_and_errors, error_response, read_body
 from kvconnect.api.protocol import (
     MAX_BODY_BYTES,
@@ -41,7 +52,13 @@ from kvconnect.api.protocol import (
 from kvconnect.router.core import Router, stale_check
 from kvconnect.router.forward import forward
 from kvconnect.router.metrics import RouterMetrics
-from kvconnect.router.upstream import Unreachable, UpstreamBroken, UpstreamPool
+from kvconnect.router.upstream import (
+    READ_TIMEOUT_S,
+    Unreachable,
+    UpstreamBroken,
+    UpstreamPool,
+    UpstreamTimeout,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +70,29 @@ INLINE_TOKENIZE_BYTES = 16 << 10
 """Bodies up to this size are tokenized on the event loop (ids need no tokenizing at all)."""
 
 
+@dataclass(frozen=True)
+class RouterOptions:
+    """The router's HTTP front beyond routing (the flags of `kvconnect router`)."""
+
+    api_key: str | None = field(default=None, repr=False)
+    admin_token: str | None = field(default=None, repr=False)
+    instance_api_key: str | None = field(default=None, repr=False)
+    """Presented to the instances in place of the client's Authorization."""
+    upstream_timeout: float = READ_TIMEOUT_S
+    """Seconds an instance that took a request may stay silent (`upstream.py`)."""
+    limits: ConnectionLimits = field(default_factory=ConnectionLimits)
+
+    def __post_init__(self) -> None:
+        key = self.instance_api_key
+        if key is not None and (not key.strip() or any(c in key for c in "\r\n")):
+            raise ValueError("--instance-api-key: empty, or has a line break in it")
+        if not 0 < self.upstream_timeout < float("inf"):
+            raise ValueError(f"--upstream-timeout {self.upstream_timeout}: must be positive")
+
+
+OPTIONS = web.AppKey("options", RouterOptions)
+
+
 def _none_in_rotation() -> web.Response:
     return error_response(
         ApiError("no instance is in rotation", status=503, type_="service_unavailable")
@@ -62,9 +102,15 @@ def _none_in_rotation() -> web.Response:
 class RouterServer:
     """The request handlers over one `Router`."""
 
-    def __init__(self, router: Router) -> None:
+    def __init__(self, router: Router, options: RouterOptions) -> None:
         self.router = router
         self.metrics = RouterMetrics(router)
+        key = options.instance_api_key
+        self._instance_auth = f"Bearer {key}" if key is not None else None
+
+    def _authorization(self, http: web.Request) -> str | None:
+        """What the instance is shown: the router's own key, else the client's header."""
+        return self._instance_auth or http.headers.get("Authorization")
 
     async def _parse(
         self, http: web.Request, chat: bool | None
@@ -92,6 +138,7 @@ class RouterServer:
         except ApiError as e:
             return error_response(e)
         router, pool = self.router, http.app[POOL]
+        authorization = self._authorization(http)
         tried: set[str] = set()
         while True:
             picked = router.pick(token_ids, tried, req.cache_salt)
@@ -103,7 +150,7 @@ class RouterServer:
             router.in_flight[instance.name] += 1
             try:
                 check = stale_check(req, token_ids)
-                return await forward(http, pool, instance, raw, router, score, check)
+                return await forward(http, pool, instance, raw, router, score, check, authorization)
             except Unreachable as e:
                 logger.warning("router: %s unreachable (%s); trying another", instance.name, e)
                 router.mark_down(instance.name, f"forward failed: {e}")
@@ -118,11 +165,14 @@ class RouterServer:
 
     async def models(self, http: web.Request) -> web.Response:
         router = self.router
+        authorization = self._authorization(http)
+        headers = {"Authorization": authorization} if authorization else None
         for inst in router.instances:
             if not router.health.is_up(inst.name):
                 continue
             try:
-                async with http.app[SESSION].get(inst.url + "/v1/models") as resp:
+                url = inst.url + "/v1/models"
+                async with http.app[SESSION].get(url, headers=headers) as resp:
                     body = await resp.read()
                     http["instance"] = inst.name
                     return web.Response(
@@ -144,14 +194,18 @@ class RouterServer:
             if not router.health.is_up(inst.name):
                 continue
             try:
-                upstream = await http.app[POOL].post(inst.url, http.path, raw)
-            except Unreachable as e:
+                upstream = await http.app[POOL].post(
+                    inst.url, http.path, raw, authorization=self._authorization(http)
+                )
+            except (Unreachable, UpstreamTimeout) as e:
                 router.mark_down(inst.name, f"{http.path} failed: {e}")
                 continue
             try:
                 body = await upstream.read()
             except UpstreamBroken as e:
                 logger.warning("router: %s failed mid-answer: %s", inst.name, e)
+                if isinstance(e, UpstreamTimeout):
+                    router.mark_down(inst.name, f"{http.path} stalled: {e}")
                 continue
             finally:
                 upstream.release()
@@ -203,7 +257,7 @@ class RouterServer:
 async def _open(app: web.Application) -> None:
     session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=5))
     app[SESSION] = session  # health checks and /v1/models
-    app[POOL] = UpstreamPool()  # the completions themselves
+    app[POOL] = UpstreamPool(read_timeout=app[OPTIONS].upstream_timeout)  # the completions
     app[HEALTH_TASK] = asyncio.create_task(app[ROUTER].health.run(session))
 
 
@@ -216,11 +270,15 @@ async def _close(app: web.Application) -> None:
     await asyncio.to_thread(app[ROUTER].close)
 
 
-def make_app(router: Router) -> web.Application:
+def make_app(router: Router, options: RouterOptions | None = None) -> web.Application:
     """The router's aiohttp app; on cleanup it closes `router` too."""
-    handlers = RouterServer(router)
-    app = web.Application(middlewares=[access_and_errors], client_max_size=MAX_BODY_BYTES + 1)
+    options = options or RouterOptions()
+    handlers = RouterServer(router, options)
+    auth = BearerAuth(options.api_key, options.admin_token)
+    middlewares = [access_and_errors, auth.middleware()] if auth.enabled else [access_and_errors]
+    app = web.Application(middlewares=middlewares, client_max_size=MAX_BODY_BYTES + 1)
     app[ROUTER] = router
+    app[OPTIONS] = options
     app.on_startup.append(_open)
     app.on_cleanup.append(_close)
     app.router.add_post("/v1/completions", handlers.completions)
@@ -235,13 +293,15 @@ def make_app(router: Router) -> web.Application:
     return app
 
 
-async def serve_router(router: Router, host: str, port: int) -> int:
+async def serve_router(
+    router: Router, host: str, port: int, options: RouterOptions | None = None
+) -> int:
     """Serve `router` on host:port until SIGINT or SIGTERM; 0."""
-    runner = web.AppRunner(make_app(router), access_log=None)
-    await runner.setup()
+    options = options or RouterOptions()
+    listener = Listener(make_app(router, options), options.limits)
     stop = asyncio.Event()
     try:
-        await web.TCPSite(runner, host, port, shutdown_timeout=5).start()
+        await listener.start(host, port)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
@@ -252,5 +312,5 @@ async def serve_router(router: Router, host: str, port: int) -> int:
         print(f"kvconnect router: ready at http://{host}:{port}; instances: {listing}", flush=True)
         await stop.wait()
     finally:
-        await runner.cleanup()
+        await listener.close()
     return 0

@@ -14,12 +14,20 @@ JSON body of known length out, a response of known length or chunked back; anyth
 (an upgrade, a response without length or chunking, a header section over 64 KiB) ends that
 connection. A response is read to its end before its connection is reused, so a reply can
 never be mistaken for the next request's.
+
+Deadlines: a connect has `connect_timeout`; once a request is sent, the instance may stay
+silent for at most `read_timeout` (before its head, and between pieces of its body): then its
+connection is aborted and the reader gets `UpstreamTimeout`. One watchdog task per pool checks
+the connections in use a few times per `read_timeout`, so a request costs a time stamp per
+read, not a timer. A request whose caller is cancelled (its client went away) closes its
+connection: the instance sees the disconnect and stops generating.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections import defaultdict
 from collections.abc import AsyncIterator
 from urllib.parse import urlsplit
@@ -29,6 +37,9 @@ MAX_HEADER_BYTES = 64 << 10
 MAX_IDLE_PER_INSTANCE = 64
 """Idle keep-alive connections kept per instance; more are closed when released."""
 CONNECT_TIMEOUT_S = 5.0
+READ_TIMEOUT_S = 600.0
+"""Silence from an instance that took a request, at most (a long non-streamed generation sends
+nothing until it is done)."""
 
 
 class Unreachable(Exception):
@@ -39,9 +50,16 @@ class UpstreamBroken(Exception):
     """The instance failed after its answer had begun (a cut, malformed framing)."""
 
 
+class UpstreamTimeout(UpstreamBroken):
+    """The instance took the request and then said nothing for `read_timeout` seconds."""
+
+
 class _Connection:
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.reader, self.writer = reader, writer
+        self.deadline = 0.0
+        """While a request is on it: when the instance's silence becomes a timeout."""
+        self.timed_out = False
 
     def close(self) -> None:
         self.writer.close()
@@ -71,7 +89,8 @@ class UpstreamResponse:
         """The body as it arrives; `UpstreamBroken` if the connection ends early."""
         if self._conn is None:
             raise RuntimeError("UpstreamResponse read after release()")
-        reader = self._conn.reader
+        conn = self._conn
+        reader, timeout = conn.reader, self._pool.read_timeout
         try:
             if self.content_length is not None:
                 left = self.content_length
@@ -80,25 +99,37 @@ class UpstreamResponse:
                     if not data:
                         raise UpstreamBroken(f"body ended {left} bytes early")
                     left -= len(data)
+                    conn.deadline = time.monotonic() + timeout
                     yield data
             elif self.chunked:
                 async for data in _chunks(reader):
+                    conn.deadline = time.monotonic() + timeout
                     yield data
             else:  # neither: the body runs to the end of the connection
                 self._keep_alive = False
                 while data := await reader.read(1 << 16):
+                    conn.deadline = time.monotonic() + timeout
                     yield data
+            if conn.timed_out:  # aborted while the last piece was read: not a whole body
+                raise ConnectionError("aborted")
             self._done = True
         except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError) as e:
-            raise UpstreamBroken(f"malformed or cut body: {e}") from None
-        except ConnectionError as e:
-            raise UpstreamBroken(str(e) or type(e).__name__) from None
+            raise self._broken(f"malformed or cut body: {e}") from None
+        except (ConnectionError, UpstreamBroken) as e:
+            raise self._broken(str(e) or type(e).__name__) from None
+
+    def _broken(self, reason: str) -> UpstreamBroken:
+        conn = self._conn
+        if conn is not None and conn.timed_out:
+            return UpstreamTimeout(f"no data for {self._pool.read_timeout:g} s")
+        return UpstreamBroken(reason)
 
     def release(self) -> None:
         """Hand the connection back if the body was read whole and the instance keeps it."""
         conn, self._conn = self._conn, None
         if conn is None:
             return
+        self._pool._busy.discard(conn)
         if self._done and self._keep_alive:
             self._pool._put(self._key, conn)
         else:
@@ -123,36 +154,73 @@ async def _chunks(reader: asyncio.StreamReader) -> AsyncIterator[bytes]:
 class UpstreamPool:
     """Keep-alive connections per instance, opened on demand (single event loop)."""
 
-    def __init__(self, connect_timeout: float = CONNECT_TIMEOUT_S) -> None:
+    def __init__(
+        self, connect_timeout: float = CONNECT_TIMEOUT_S, read_timeout: float = READ_TIMEOUT_S
+    ) -> None:
         self._connect_timeout = connect_timeout
+        self.read_timeout = read_timeout
         self._idle: defaultdict[str, list[_Connection]] = defaultdict(list)
+        self._busy: set[_Connection] = set()
+        self._watchdog: asyncio.Task[None] | None = None
         self._closed = False
 
     async def post(
-        self, base_url: str, path: str, body: bytes, content_type: str = "application/json"
+        self,
+        base_url: str,
+        path: str,
+        body: bytes,
+        content_type: str = "application/json",
+        authorization: str | None = None,
     ) -> UpstreamResponse:
         """POST `body`; the response with its headers read. A refused or timed-out connect is
         `Unreachable` at once; a pooled connection that the instance had closed (seen as an
-        empty answer) is retried on a new one, so only a fresh connection's failure counts."""
+        empty answer) is retried on a new one, so only a fresh connection's failure counts.
+        An instance silent for `read_timeout` is `UpstreamTimeout` (never retried: it may be
+        working on it). `authorization` is sent as that header (no CR or LF in it)."""
         parts = urlsplit(base_url)
         host, port = parts.hostname or "127.0.0.1", parts.port or 80
         key = f"{host}:{port}"
+        auth = f"Authorization: {authorization}\r\n" if authorization else ""
         head = (
-            f"POST {parts.path.rstrip('/')}{path} HTTP/1.1\r\nHost: {key}\r\n"
+            f"POST {parts.path.rstrip('/')}{path} HTTP/1.1\r\nHost: {key}\r\n{auth}"
             f"Content-Type: {content_type}\r\nContent-Length: {len(body)}\r\n\r\n"
         ).encode("latin-1")
+        if self._watchdog is None:
+            self._watchdog = asyncio.create_task(self._watch())
         while True:
             conn, pooled = self._take(key), True
             if conn is None:
                 conn, pooled = await self._open(host, port), False
+            conn.deadline = time.monotonic() + self.read_timeout
+            self._busy.add(conn)
             try:
                 conn.writer.write(head + body)
                 status, headers = await _read_head(conn.reader)
                 return UpstreamResponse(self, key, conn, status, headers)
             except (ConnectionError, asyncio.IncompleteReadError, UpstreamBroken) as e:
-                conn.close()
+                self._drop(conn)
+                if conn.timed_out:
+                    raise UpstreamTimeout(f"no answer for {self.read_timeout:g} s") from None
                 if not pooled:
                     raise Unreachable(str(e) or type(e).__name__) from None
+            except BaseException:  # cancelled (the client left): the instance must see it
+                self._drop(conn)
+                raise
+
+    def _drop(self, conn: _Connection) -> None:
+        self._busy.discard(conn)
+        conn.close()
+
+    async def _watch(self) -> None:
+        """Abort the connections whose instance has been silent past their deadline."""
+        period = min(self.read_timeout / 4, 1.0)
+        while True:
+            await asyncio.sleep(period)
+            now = time.monotonic()
+            for conn in [c for c in self._busy if c.deadline < now]:
+                self._busy.discard(conn)
+                conn.timed_out = True
+                conn.writer.transport.abort()
 
     async def _open(self, host: str, port: int) -> _Connection:
         try:
@@ -182,6 +250,10 @@ class UpstreamPool:
 
     async def close(self) -> None:
         self._closed = True
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watchdog
         for idle in self._idle.values():
             for conn in idle:
                 conn.close()

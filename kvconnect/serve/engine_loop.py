@@ -75,6 +75,9 @@ class Job:
     admitted: asyncio.Future[Failed | None] = field(init=False)
     aborted: bool = field(default=False, init=False)
     """Set by `EngineLoop.abort`: a job not taken yet never reaches the engine."""
+    on_started: Callable[[Job], None] | None = field(default=None, init=False)
+    """Called on the event loop with the job's first output or failure (admission's count
+    of waiting jobs, `serve/admission.py`), then cleared by its callee."""
 
     def __post_init__(self) -> None:
         self.admitted = self.loop.create_future()
@@ -89,6 +92,10 @@ class Job:
 
     def _deliver(self, item: Update | Failed) -> None:
         self._settle(item if isinstance(item, Failed) else None)
+        if self.on_started is not None and (
+            isinstance(item, Failed) or item.token_ids or item.request is not None
+        ):
+            self.on_started(self)
         self.updates.put_nowait(item)
 
     def _settle(self, verdict: Failed | None) -> None:

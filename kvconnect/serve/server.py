@@ -21,6 +21,13 @@ server knows it only through that loop (`EngineLoop.info`: tokenizer, limits). W
 fails the server answers 503, logs one line and exits with status 1, so that a supervisor
 restarts it. Binds 127.0.0.1 unless told otherwise; one access log line per request.
 
+Trust (`ServeOptions`): the listener (`api/connections.py`) caps connections and gives request
+heads and bodies deadlines; `api/auth.py` checks the Bearer key when one is set; a client that
+goes away cancels its handler, whose `finally` aborts its engine requests; `admission.py`
+refuses work beyond the waiting limits with a 503 before anything reaches the engine; a
+deadline (`request_timeout`) aborts a generation with a 504; cached prompt tokens are told only
+with `enable_prompt_tokens_details`.
+
 /tokenize answers with the tokens the engine runs for the same prompt or messages, so that a
 router that tokenizes through it (vllm-router does) hashes the blocks this instance publishes.
 `add_special_tokens` is accepted and adds nothing, because kvconnect puts no special tokens
@@ -33,17 +40,18 @@ BOS (Llama's) would get one from vLLM and gets none here, in /tokenize as in com
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import signal
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 from aiohttp import web
 
 from kvconnect import __version__
+from kvconnect.api.auth import BearerAuth
+from kvconnect.api.connections import ConnectionLimits, Listener
 from kvconnect.api.http import access_and_errors, error_response, read_body
 from kvconnect.api.protocol import (
     MAX_BODY_BYTES,
@@ -59,6 +67,7 @@ from kvconnect.api.protocol import (
 from kvconnect.api.responses import DONE, Envelope, Usage, sse
 from kvconnect.engine.llm import LLM
 from kvconnect.engine.request import Request, SamplingParams
+from kvconnect.serve.admission import RETRY_AFTER_S, Admission
 from kvconnect.serve.engine_loop import EngineLoop, Failed, Job, Update
 from kvconnect.serve.metrics import ServeMetrics
 from kvconnect.tokenizer import (
@@ -87,12 +96,46 @@ class Prepared:
         return [job for choices in self.jobs for job in choices]
 
 
+@dataclass(frozen=True)
+class ServeOptions:
+    """How the API treats its clients (the flags of `kvconnect serve` beyond the engine's)."""
+
+    max_num_waiting: int = 1024
+    """Engine requests waiting for their first output at most (`admission.py`)."""
+    max_num_waiting_tokens: int = 1 << 20
+    """Their prompt tokens at most."""
+    request_timeout: float | None = None
+    """Seconds a generation may take from its arrival; then its engine requests are aborted
+    and it is answered 504 (or its stream ends with that error). None: no deadline."""
+    enable_prompt_tokens_details: bool = False
+    """`usage.prompt_tokens_details.cached_tokens` in answers, as vLLM's flag of that name."""
+    api_key: str | None = field(default=None, repr=False)
+    admin_token: str | None = field(default=None, repr=False)
+    limits: ConnectionLimits = field(default_factory=ConnectionLimits)
+
+    def __post_init__(self) -> None:
+        if self.request_timeout is not None and not 0 < self.request_timeout < float("inf"):
+            raise ValueError(f"--request-timeout {self.request_timeout}: must be positive")
+
+
 class OpenAIServer:
-    def __init__(self, engine: EngineLoop, model_name: str, metrics: ServeMetrics):
+    def __init__(
+        self,
+        engine: EngineLoop,
+        model_name: str,
+        metrics: ServeMetrics,
+        options: ServeOptions | None = None,
+    ):
         self.engine = engine
         self.info = engine.info
         self.model_name = model_name
         self.metrics = metrics
+        self.options = options or ServeOptions()
+        self.admission = Admission(
+            self.options.max_num_waiting,
+            self.options.max_num_waiting_tokens,
+            max_prompt_tokens=self.info.max_model_len,
+        )
 
     # -- preparing ----------------------------------------------------------------------------
 
@@ -174,6 +217,7 @@ class OpenAIServer:
 
     async def _generate(self, http: web.Request, chat: bool) -> web.StreamResponse:
         loop = asyncio.get_running_loop()
+        deadline = self._deadline(loop)
         req: CompletionRequest | ChatCompletionRequest
         try:
             body = await read_body(http)
@@ -183,18 +227,40 @@ class OpenAIServer:
         except ApiError as e:
             return error_response(e)
         jobs = prepared.all_jobs
+        overloaded = self.admission.admit(jobs)
+        if overloaded is not None:
+            response = error_response(overloaded)
+            response.headers["Retry-After"] = str(RETRY_AFTER_S)
+            return response
         try:
-            refused = await self._submit(jobs)
-            if refused is not None:
-                return error_response(_failure(refused, prepared.param))
-            envelope = Envelope(chat=chat, model=self.model_name)
-            if req.stream:
-                return await self._stream(
-                    http, envelope, prepared, req.include_usage, req.return_token_ids
-                )
-            return await self._collect(envelope, prepared, req.return_token_ids)
+            async with asyncio.timeout_at(None if req.stream else deadline):
+                refused = await self._submit(jobs)
+                if refused is not None:
+                    return error_response(_failure(refused, prepared.param))
+                envelope = Envelope(chat=chat, model=self.model_name)
+                if not req.stream:
+                    return await self._collect(envelope, prepared, req.return_token_ids)
+            return await self._stream(
+                http, envelope, prepared, req.include_usage, req.return_token_ids, deadline
+            )
+        except TimeoutError:
+            return error_response(self._timed_out())
         finally:
-            self._abort(jobs)  # what is still running when the client is gone or on error
+            # What is still running when the client is gone (the handler is cancelled), on
+            # a deadline or on error.
+            self._abort(jobs)
+
+    def _deadline(self, loop: asyncio.AbstractEventLoop) -> float | None:
+        timeout = self.options.request_timeout
+        return None if timeout is None else loop.time() + timeout
+
+    def _timed_out(self) -> ApiError:
+        return ApiError(
+            f"the request did not finish within {self.options.request_timeout:g} s "
+            "(--request-timeout)",
+            status=504,
+            type_="timeout",
+        )
 
     async def _submit(self, jobs: list[Job]) -> Failed | None:
         """Hand every job to the engine and wait for its verdicts: None once it has taken
@@ -212,6 +278,7 @@ class OpenAIServer:
         return None
 
     def _abort(self, jobs: list[Job]) -> None:
+        self.admission.release(jobs)
         for job in jobs:
             self.engine.abort(job)
 
@@ -238,7 +305,7 @@ class OpenAIServer:
                     )
                 )
                 finals.append(update.request)
-        return web.json_response(envelope.body(choices, _usage(prepared, finals)))
+        return web.json_response(envelope.body(choices, self._usage(prepared, finals)))
 
     async def _stream(
         self,
@@ -247,6 +314,7 @@ class OpenAIServer:
         prepared: Prepared,
         include_usage: bool,
         return_ids: bool,
+        deadline: float | None,
     ) -> web.StreamResponse:
         response = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
@@ -263,42 +331,68 @@ class OpenAIServer:
                     return
 
         tasks = [asyncio.create_task(forward(i, job)) for i, job in enumerate(jobs)]
-        finals: list[Request | None] = [None] * len(jobs)
-        started = [False] * len(jobs)
         try:
-            remaining = len(jobs)
-            while remaining:
-                index, update = await merged.get()
-                if isinstance(update, Failed):
-                    error = _failure(update)
-                    await response.write(sse(error.body()))
-                    break
-                if update.text or not started[index] or update.request is not None:
-                    ids = (jobs[index].prompt, update.token_ids) if return_ids else None
-                    await response.write(
-                        envelope.chunk(
-                            index,
-                            update.text,
-                            update.finish_reason,
-                            update.stop_reason,
-                            first=not started[index],
-                            token_ids=ids,
-                        )
-                    )
-                    started[index] = True
-                if update.request is not None:
-                    finals[index] = update.request
-                    remaining -= 1
-            else:  # every choice finished (no error broke the loop)
-                if include_usage:
-                    done = [r for r in finals if r is not None]
-                    await response.write(envelope.usage_chunk(_usage(prepared, done)))
-            await response.write(DONE)
-            await response.write_eof()
+            async with asyncio.timeout_at(deadline):
+                finals = await self._relay(response, envelope, merged, jobs, return_ids)
+            if finals is not None and include_usage:
+                await response.write(envelope.usage_chunk(self._usage(prepared, finals)))
+        except TimeoutError:
+            await response.write(sse(self._timed_out().body()))
         finally:
             for t in tasks:
                 t.cancel()
+        await response.write(DONE)
+        await response.write_eof()
         return response
+
+    async def _relay(
+        self,
+        response: web.StreamResponse,
+        envelope: Envelope,
+        merged: asyncio.Queue[tuple[int, Update | Failed]],
+        jobs: list[Job],
+        return_ids: bool,
+    ) -> list[Request] | None:
+        """Each job's updates as chunks, until all finished (their requests) or one failed
+        (None, its error sent)."""
+        finals: list[Request | None] = [None] * len(jobs)
+        started = [False] * len(jobs)
+        remaining = len(jobs)
+        while remaining:
+            index, update = await merged.get()
+            if isinstance(update, Failed):
+                await response.write(sse(_failure(update).body()))
+                return None
+            if update.text or not started[index] or update.request is not None:
+                ids = (jobs[index].prompt, update.token_ids) if return_ids else None
+                await response.write(
+                    envelope.chunk(
+                        index,
+                        update.text,
+                        update.finish_reason,
+                        update.stop_reason,
+                        first=not started[index],
+                        token_ids=ids,
+                    )
+                )
+                started[index] = True
+            if update.request is not None:
+                finals[index] = update.request
+                remaining -= 1
+        return [r for r in finals if r is not None]
+
+    def _usage(self, prepared: Prepared, finals: list[Request]) -> Usage:
+        """Prompt tokens once per prompt (its n choices share it), all generated tokens;
+        cached prompt tokens only when asked for (`enable_prompt_tokens_details`)."""
+        usage = Usage(completion_tokens=sum(len(r.output_token_ids) for r in finals))
+        n = len(prepared.jobs[0]) if prepared.jobs else 1
+        cached = 0
+        for first in finals[::n]:
+            usage.prompt_tokens += len(first.prompt_token_ids)
+            cached += (first.num_cached_tokens or 0) + first.num_external_tokens
+        if self.options.enable_prompt_tokens_details:
+            usage.cached_tokens = cached
+        return usage
 
     async def models(self, _: web.Request) -> web.Response:
         return web.json_response(
@@ -441,18 +535,10 @@ def _decode(tok: Tokenizer, tokens: list[int]) -> str:
     return tok.decode(tokens)
 
 
-def _usage(prepared: Prepared, finals: list[Request]) -> Usage:
-    """Prompt tokens once per prompt (its n choices share it), all generated tokens."""
-    usage = Usage(completion_tokens=sum(len(r.output_token_ids) for r in finals))
-    n = len(prepared.jobs[0]) if prepared.jobs else 1
-    for first in finals[::n]:
-        usage.prompt_tokens += len(first.prompt_token_ids)
-        usage.cached_tokens += (first.num_cached_tokens or 0) + first.num_external_tokens
-    return usage
-
-
 def make_app(server: OpenAIServer) -> web.Application:
-    app = web.Application(middlewares=[access_and_errors], client_max_size=MAX_BODY_BYTES + 1)
+    auth = BearerAuth(server.options.api_key, server.options.admin_token)
+    middlewares = [access_and_errors, auth.middleware()] if auth.enabled else [access_and_errors]
+    app = web.Application(middlewares=middlewares, client_max_size=MAX_BODY_BYTES + 1)
     app.router.add_post("/v1/completions", server.completions)
     app.router.add_post("/v1/chat/completions", server.chat_completions)
     app.router.add_get("/v1/models", server.models)
@@ -464,12 +550,21 @@ def make_app(server: OpenAIServer) -> web.Application:
     return app
 
 
-def serve(llm: LLM, host: str, port: int, model_name: str, ready: str = "") -> int:
+def serve(
+    llm: LLM,
+    host: str,
+    port: int,
+    model_name: str,
+    ready: str = "",
+    options: ServeOptions | None = None,
+) -> int:
     """Run the API until interrupted (0) or until the engine fails (1)."""
-    return asyncio.run(_serve(llm, host, port, model_name, ready))
+    return asyncio.run(_serve(llm, host, port, model_name, ready, options or ServeOptions()))
 
 
-async def _serve(llm: LLM, host: str, port: int, model_name: str, ready: str) -> int:
+async def _serve(
+    llm: LLM, host: str, port: int, model_name: str, ready: str, options: ServeOptions
+) -> int:
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     exit_code = 0
@@ -486,10 +581,10 @@ async def _serve(llm: LLM, host: str, port: int, model_name: str, ready: str) ->
         metrics.finished(request, ttft, time.monotonic() - job.submitted)
 
     engine = EngineLoop(llm, on_fatal=fatal, on_finished=finished)
-    runner = web.AppRunner(make_app(OpenAIServer(engine, model_name, metrics)), access_log=None)
-    await runner.setup()
+    server = OpenAIServer(engine, model_name, metrics, options)
+    listener = Listener(make_app(server), options.limits)
     try:
-        await web.TCPSite(runner, host, port, shutdown_timeout=5).start()
+        await listener.start(host, port)
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
         print(
@@ -498,10 +593,9 @@ async def _serve(llm: LLM, host: str, port: int, model_name: str, ready: str) ->
         )
         await stop.wait()
     finally:
-        with contextlib.suppress(Exception):
-            await runner.cleanup()
+        await listener.close()
         await asyncio.to_thread(engine.stop)
     return exit_code
 
 
-__all__ = ["OpenAIServer", "make_app", "serve"]
+__all__ = ["OpenAIServer", "ServeOptions", "make_app", "serve"]

@@ -215,15 +215,19 @@ def valid_request_succeeds(port: int) -> bool:
 
 @pytest.fixture(scope="module")
 def targets(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Serve, RouterProcess]]:
+    """One instance fuzzed directly, and the router in front of it and a second one (as the
+    issue's run: the router's retries and both relays are in play)."""
     tmp = tmp_path_factory.mktemp("fuzz")
-    server = Serve(tmp, "--max-model-len", "512")
+    server, second = Serve(tmp, "--max-model-len", "512"), Serve(tmp, "--max-model-len", "512")
     server.start()
-    router = RouterProcess(tmp, [server])
+    second.start()
+    router = RouterProcess(tmp, [server, second])
     try:
         router.start()
         yield server, router
     finally:
         router.stop()
+        second.stop()
         server.stop()
 
 

@@ -178,6 +178,25 @@ def one_line_error(capsys: pytest.CaptureFixture[str], argv: list[str], *names: 
             ["--tier-weights"],
         ),
         (["events", "tail", "--endpoint", "tcp://nohost"], ["tcp://nohost"]),
+        (["serve", "--model", "tiny", "--max-num-waiting", "0"], ["--max-num-waiting"]),
+        (["serve", "--model", "tiny", "--request-timeout", "-1"], ["--request-timeout"]),
+        (["serve", "--model", "tiny", "--header-timeout", "nan"], ["--header-timeout"]),
+        (["serve", "--model", "tiny", "--api-key", " "], ["--api-key", "empty"]),
+        (["serve", "--model", "tiny", "--admin-token", ""], ["--admin-token", "empty"]),
+        (
+            ["router", "--instance", "http://127.0.0.1:1,tcp://127.0.0.1:2", "--api-key", ""],
+            ["--api-key", "empty"],
+        ),
+        (
+            [
+                "router",
+                "--instance",
+                "http://127.0.0.1:1,tcp://127.0.0.1:2",
+                "--instance-api-key",
+                "a\nb",
+            ],
+            ["--instance-api-key"],
+        ),
     ],
 )
 def test_bad_flags_and_configs_are_one_line_errors(

@@ -31,7 +31,7 @@ def cluster(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[tuple[list[Serve], RouterProcess]]:
     tmp = tmp_path_factory.mktemp("cluster")
-    engines = [Serve(tmp), Serve(tmp)]
+    engines = [Serve(tmp, "--enable-prompt-tokens-details") for _ in range(2)]
     router = RouterProcess(tmp, engines)
     try:
         for e in engines:

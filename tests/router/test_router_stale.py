@@ -38,7 +38,14 @@ def test_a_silent_loss_in_redis_is_found_by_the_answer_and_counted_stale(tmp_pat
         },
     }
     # 24 blocks of 16 tokens: a few other prompts push one out of the engine's own cache.
-    server = Serve(tmp_path, "--num-kv-blocks", "24", "--kv-transfer-config", json.dumps(transfer))
+    server = Serve(
+        tmp_path,
+        "--num-kv-blocks",
+        "24",
+        "--kv-transfer-config",
+        json.dumps(transfer),
+        "--enable-prompt-tokens-details",  # the router checks its index against it
+    )
     router = RouterProcess(tmp_path, [server])
     try:
         server.start()

@@ -10,7 +10,12 @@ from contextlib import asynccontextmanager
 
 import pytest
 
-from kvconnect.router.upstream import Unreachable, UpstreamBroken, UpstreamPool
+from kvconnect.router.upstream import (
+    Unreachable,
+    UpstreamBroken,
+    UpstreamPool,
+    UpstreamTimeout,
+)
 
 Reply = Callable[[bytes], bytes]
 
@@ -172,6 +177,78 @@ def test_an_unread_answer_closes_its_connection() -> None:
             assert await again.read() == b'{"echo": 2}'
             again.release()
             assert seen["connections"] == 2
+        await pool.close()
+
+    run(main())
+
+
+@asynccontextmanager
+async def silent_server() -> AsyncIterator[dict[str, object]]:
+    """A server that takes each request's head and never answers; it notes each head and
+    when the client closes its connection."""
+    seen: dict[str, object] = {"heads": [], "head": asyncio.Event(), "closed": asyncio.Event()}
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        seen["heads"].append(await reader.readuntil(b"\r\n\r\n"))  # type: ignore[attr-defined]
+        seen["head"].set()  # type: ignore[attr-defined]
+        await reader.read()  # until the client closes
+        seen["closed"].set()  # type: ignore[attr-defined]
+        writer.close()
+
+    srv = await asyncio.start_server(handle, "127.0.0.1", 0)
+    seen["url"] = f"http://127.0.0.1:{srv.sockets[0].getsockname()[1]}"
+    async with srv:
+        yield seen
+
+
+def test_an_instance_silent_past_the_read_timeout_is_a_timeout_and_its_connection_closed() -> None:
+    async def main() -> None:
+        pool = UpstreamPool(read_timeout=0.2)
+        async with silent_server() as seen:
+            with pytest.raises(UpstreamTimeout, match=r"no answer for 0\.2 s"):
+                await pool.post(str(seen["url"]), "/v1/completions", b"{}")
+            await asyncio.wait_for(seen["closed"].wait(), 10)  # type: ignore[attr-defined]
+        await pool.close()
+
+    run(main())
+
+
+def test_an_instance_silent_mid_body_is_a_timeout() -> None:
+    async def main() -> None:
+        pool = UpstreamPool(read_timeout=0.2)
+
+        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await reader.readuntil(b"\r\n\r\n")
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nabc")
+            await reader.read()
+            writer.close()
+
+        srv = await asyncio.start_server(handle, "127.0.0.1", 0)
+        async with srv:
+            url = f"http://127.0.0.1:{srv.sockets[0].getsockname()[1]}"
+            resp = await pool.post(url, "/v1/completions", b"{}")
+            with pytest.raises(UpstreamTimeout):
+                await resp.read()
+            resp.release()
+        await pool.close()
+
+    run(main())
+
+
+def test_a_cancelled_request_closes_its_connection_and_authorization_is_sent() -> None:
+    """The client went away while the instance works: the instance must see the disconnect
+    (so that it aborts the generation)."""
+
+    async def main() -> None:
+        pool = UpstreamPool()
+        async with silent_server() as seen:
+            task = asyncio.create_task(
+                pool.post(str(seen["url"]), "/v1/completions", b"{}", authorization="Bearer k")
+            )
+            await asyncio.wait_for(seen["head"].wait(), 10)  # type: ignore[attr-defined]
+            task.cancel()
+            await asyncio.wait_for(seen["closed"].wait(), 10)  # type: ignore[attr-defined]
+            assert b"\r\nAuthorization: Bearer k\r\n" in seen["heads"][0]  # type: ignore[index]
         await pool.close()
 
     run(main())

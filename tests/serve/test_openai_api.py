@@ -18,7 +18,7 @@ GREEDY: dict[str, Any] = {"temperature": 0, "extra_body": {"ignore_eos": True}}
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Serve, RouterProcess]]:
     tmp = tmp_path_factory.mktemp("openai")
-    server = Serve(tmp)
+    server = Serve(tmp, "--enable-prompt-tokens-details")
     server.start()
     router = RouterProcess(tmp, [server])
     try:

@@ -1,0 +1,196 @@
+"""The listening socket of every kvconnect HTTP server: a connection cap and a header deadline.
+
+aiohttp bounds neither: 400 clients that send one byte a second keep 400 connections (and
+their buffers) open for as long as they like. Each accepted connection is wrapped here before
+aiohttp's own protocol sees it:
+
+    accepted  -- more than max_connections open --> "503, Retry-After", closed at once
+        |
+        v
+    waiting for a request head  -- header_timeout passes --> closed
+        |   (from the accept, or from the end of the previous answer: an idle keep-alive
+        |    connection has the same time to send its next head)
+        v
+    a request runs (the middleware marks it)  -- no deadline here: the body has
+        |                                         `api.http.read_body`'s, the work its own
+        v
+    answer handed to the transport --> waiting for the next head again
+
+The wrapper forwards every protocol call to aiohttp's handler unchanged; it adds a timer per
+connection, not per byte. Handlers run with aiohttp's `handler_cancellation`: a client that
+goes away cancels its handler, whose clean-up aborts its engine requests (serve) or closes its
+upstream connection (router).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from dataclasses import dataclass
+from typing import cast
+
+from aiohttp import web
+from aiohttp.typedefs import Handler
+from aiohttp.web_protocol import RequestHandler
+
+MAX_CONNECTIONS = 1024
+HEADER_TIMEOUT_S = 10.0
+BODY_TIMEOUT_S = 30.0
+RETRY_AFTER_S = 1
+
+_BUSY_BODY = json.dumps(
+    {
+        "error": {
+            "message": "too many open connections; retry later",
+            "type": "service_unavailable",
+            "param": None,
+            "code": None,
+        }
+    }
+).encode()
+_BUSY = (
+    b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+    + f"Retry-After: {RETRY_AFTER_S}\r\nContent-Length: {len(_BUSY_BODY)}\r\n".encode()
+    + b"Connection: close\r\n\r\n"
+    + _BUSY_BODY
+)
+
+
+@dataclass(frozen=True)
+class ConnectionLimits:
+    max_connections: int = MAX_CONNECTIONS
+    """Open connections at most; one more is answered 503 and closed."""
+    header_timeout: float = HEADER_TIMEOUT_S
+    """Seconds a connection has to deliver a whole request head (after opening, or after its
+    previous answer)."""
+    body_timeout: float = BODY_TIMEOUT_S
+    """Seconds a request has to deliver its whole body (`api.http.read_body`)."""
+
+    def __post_init__(self) -> None:
+        if self.max_connections < 1:
+            raise ValueError(f"max_connections={self.max_connections}: must be at least 1")
+        for name in ("header_timeout", "body_timeout"):
+            value = getattr(self, name)
+            if not 0 < value < float("inf"):
+                raise ValueError(f"{name}={value}: must be a positive number of seconds")
+
+
+BODY_TIMEOUT = web.AppKey("body_timeout", float)
+"""The app's body deadline, for `api.http.read_body`."""
+
+
+class _Guarded(asyncio.Protocol):
+    """One connection: aiohttp's handler inside, the deadline and the count outside."""
+
+    def __init__(self, inner: RequestHandler, listener: Listener) -> None:
+        self._inner, self._listener = inner, listener
+        self._transport: asyncio.Transport | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._num_running = 0
+        self._open = False
+
+    def connection_made(self, base: asyncio.BaseTransport) -> None:
+        transport = cast(asyncio.Transport, base)  # uvloop's are no asyncio.Transport subclass
+        listener = self._listener
+        if len(listener.open) >= listener.limits.max_connections:
+            transport.write(_BUSY)
+            transport.close()
+            return
+        self._transport, self._open = transport, True
+        listener.open[self._inner] = self
+        self._arm()
+        self._inner.connection_made(transport)
+
+    def data_received(self, data: bytes) -> None:
+        self._inner.data_received(data)
+
+    def eof_received(self) -> None:
+        if self._open:
+            self._inner.eof_received()
+
+    def pause_writing(self) -> None:
+        self._inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        self._inner.resume_writing()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if not self._open:
+            return
+        self._open = False
+        self._disarm()
+        self._listener.open.pop(self._inner, None)
+        self._inner.connection_lost(exc)
+
+    def request_started(self) -> None:
+        self._num_running += 1
+        self._disarm()
+
+    def request_done(self) -> None:
+        self._num_running -= 1
+        if self._num_running == 0 and self._open:
+            self._arm()
+
+    def _arm(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._disarm()
+        self._timer = loop.call_later(self._listener.limits.header_timeout, self._expired)
+
+    def _disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _expired(self) -> None:
+        self._timer = None
+        transport = self._transport
+        if self._num_running or transport is None or not self._open:
+            return
+        if transport.get_write_buffer_size():
+            self._arm()  # an answer still on its way out: the head deadline starts after it
+            return
+        transport.close()
+
+
+class Listener:
+    """An aiohttp app served on host:port through `_Guarded` connections."""
+
+    def __init__(self, app: web.Application, limits: ConnectionLimits) -> None:
+        self.limits = limits
+        self.open: dict[RequestHandler, _Guarded] = {}
+        app[BODY_TIMEOUT] = limits.body_timeout
+        app.middlewares.insert(0, self._middleware)
+        self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
+        self._server: asyncio.Server | None = None
+
+    async def start(self, host: str, port: int) -> None:
+        await self._runner.setup()
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(self._protocol, host, port, backlog=512)
+
+    def _protocol(self) -> _Guarded:
+        server = self._runner.server
+        assert server is not None, "Listener.start() sets the runner up first"
+        return _Guarded(server(), self)
+
+    @web.middleware
+    async def _middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        guard = self.open.get(request.protocol)
+        if guard is None:
+            return await handler(request)
+        guard.request_started()
+        try:
+            return await handler(request)
+        finally:
+            guard.request_done()
+
+    async def close(self) -> None:
+        """Stop listening, then close the app (its connections, its cleanup hooks)."""
+        if self._server is not None:
+            self._server.close()
+        with contextlib.suppress(Exception):
+            await self._runner.cleanup()
+
+
+__all__ = ["BODY_TIMEOUT", "ConnectionLimits", "Listener"]
