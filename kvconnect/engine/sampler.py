@@ -6,7 +6,8 @@
       bad words, min_tokens   -inf on the banned tokens
       logit_bias              added
       penalties               repetition over prompt + output tokens, frequency and presence
-                              over output tokens, from per-request token counts
+                              over output tokens: a gather and a scatter over each row's
+                              distinct tokens, from per-request token counts
       greedy rows             argmax: done
       / temperature, softmax
       min_p                   probabilities below min_p x the row's largest dropped
@@ -45,21 +46,19 @@ SEED_STRIDE = 1_000_003
 """A row's generator seed is `seed * SEED_STRIDE + num_output_tokens`."""
 PROMPT_CHUNK = 256
 """Prompt positions whose logits are computed at once (bounds the [positions, vocab] tensor)."""
+TOP_P_HEAD = 256
+"""Most likely tokens sorted first when cutting at top_p (more if the cut lies beyond)."""
 
 
 @dataclass
 class Penalties:
-    """The penalised rows of a batch, with their requests' token counts."""
+    """A batch's penalties, sparse: each row's distinct tokens only (a few hundred, not the
+    vocabulary), as (rows, token ids, value) triples of equal length."""
 
-    rows: torch.Tensor
-    """long [P]: rows of the batch."""
-    output_counts: torch.Tensor
-    """float32 [P, vocab]: how often each token is in the row's output."""
-    prompt_mask: torch.Tensor
-    """bool [P, vocab]: the tokens of the row's prompt."""
-    presence: torch.Tensor
-    frequency: torch.Tensor
-    repetition: torch.Tensor
+    repeated: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    """Tokens of a row's prompt or output, with its repetition penalty."""
+    output: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    """Tokens of a row's output, with frequency x count + presence (subtracted)."""
 
 
 @dataclass
@@ -119,13 +118,11 @@ def processed_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor
         rows, ids, values = batch.bias
         logits.index_put_((rows, ids), values, accumulate=True)
     if (p := batch.penalties) is not None:
-        sub = logits[p.rows]
-        in_output = p.output_counts > 0
-        rep = p.repetition[:, None]
-        scaled = torch.where(sub > 0, sub / rep, sub * rep)
-        sub = torch.where(p.prompt_mask | in_output, scaled, sub)
-        sub -= p.frequency[:, None] * p.output_counts + p.presence[:, None] * in_output
-        logits[p.rows] = sub
+        rows, ids, penalty = p.repeated  # distinct per row: a plain write is safe
+        values = logits[rows, ids]
+        logits[rows, ids] = torch.where(values > 0, values / penalty, values * penalty)
+        rows, ids, amount = p.output
+        logits.index_put_((rows, ids), -amount, accumulate=True)
     return logits
 
 
@@ -165,17 +162,25 @@ def _cut_min_p(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
 
 def _cut_top_k_top_p(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """Zero all but the top_k most likely tokens and the smallest set reaching top_p, in the
-    rows that cut at all (only those are sorted)."""
+    rows that cut at all. Only their head is sorted (`topk`), grown until every row's cut
+    falls inside it: the same tokens and values as a full sort, at a fraction of its cost
+    (a full sort of 49k probabilities takes ~5 ms a row here)."""
     vocab = probs.shape[-1]
     k = torch.where((top_k > 0) & (top_k < vocab), top_k, vocab)
     cut = torch.nonzero((k < vocab) | (top_p < 1.0)).flatten()
     if not cut.numel():
         return probs
-    sorted_probs, order = probs[cut].sort(dim=-1, descending=True)
-    keep = torch.arange(vocab) < k[cut, None]
-    # A token stays while the mass before it is below top_p (so the first always stays).
-    keep &= (sorted_probs.cumsum(dim=-1) - sorted_probs) < top_p[cut, None]
-    probs[cut] = torch.zeros_like(sorted_probs).scatter(-1, order, sorted_probs * keep)
+    k, top_p, rows = k[cut, None], top_p[cut, None], probs[cut]
+    head = min(vocab, max([TOP_P_HEAD, *k[k < vocab].tolist()]))
+    while True:
+        head_probs, order = rows.topk(head, dim=-1)
+        keep = torch.arange(head) < k
+        # A token stays while the mass before it is below top_p (so the first always stays).
+        keep &= (head_probs.cumsum(dim=-1) - head_probs) < top_p
+        if head == vocab or not bool((keep[:, -1] & (k[:, 0] > head)).any()):
+            break
+        head = min(vocab, head * 4)  # a row keeps its whole head: its cut lies beyond
+    probs[cut] = torch.zeros_like(rows).scatter(-1, order, head_probs * keep)
     return probs
 
 
@@ -217,9 +222,13 @@ class _RequestSampling:
     prompt_token_ids: list[int] | None
     """Kept for prompt logprobs only."""
     output_counts: torch.Tensor | None = None
-    """float32 [vocab], with penalties only."""
-    prompt_mask: torch.Tensor | None = None
-    """bool [vocab], with a repetition penalty only."""
+    """float32 [vocab]: times each token is in the output (with penalties only)."""
+    output_ids: torch.Tensor | None = None
+    """The distinct tokens of the output (with penalties only)."""
+    seen_ids: torch.Tensor | None = None
+    """The distinct tokens of the prompt and the output (with a repetition penalty only)."""
+    seen: torch.Tensor | None = None
+    """bool [vocab]: `seen_ids` as a mask, to tell a new token from a repeated one."""
     bias: tuple[torch.Tensor, torch.Tensor] | None = None
     """(token ids, values) of its logit_bias."""
 
@@ -260,9 +269,11 @@ class Sampler:
         )
         if options.has_penalties:
             state.output_counts = torch.zeros(self.vocab_size)
+            state.output_ids = torch.zeros(0, dtype=torch.long)
         if options.repetition_penalty != 1.0:
-            mask = torch.zeros(self.vocab_size, dtype=torch.bool)
-            state.prompt_mask = mask.index_fill_(0, torch.tensor(prompt, dtype=torch.long), True)
+            state.seen_ids = torch.unique(torch.tensor(prompt, dtype=torch.long))
+            state.seen = torch.zeros(self.vocab_size, dtype=torch.bool)
+            state.seen[state.seen_ids] = True
         if options.logit_bias:
             ids, values = zip(*options.logit_bias, strict=True)
             state.bias = torch.tensor(ids, dtype=torch.long), torch.tensor(values)
@@ -274,9 +285,16 @@ class Sampler:
         state.num_output_tokens += len(token_ids)
         keep = max((len(w) for w in state.options.bad_words_token_ids), default=1) - 1
         state.output_tail = (state.output_tail + token_ids)[-keep:] if keep else []
-        if state.output_counts is not None:
-            ids = torch.tensor(token_ids, dtype=torch.long)
-            state.output_counts.index_add_(0, ids, torch.ones(len(token_ids)))
+        if state.output_counts is None or state.output_ids is None:
+            return
+        ids = torch.tensor(token_ids, dtype=torch.long)
+        fresh = torch.unique(ids[state.output_counts[ids] == 0])
+        state.output_ids = torch.cat([state.output_ids, fresh])
+        state.output_counts.index_add_(0, ids, torch.ones(len(token_ids)))
+        if state.seen is not None and state.seen_ids is not None:
+            fresh = fresh[~state.seen[fresh]]
+            state.seen[fresh] = True
+            state.seen_ids = torch.cat([state.seen_ids, fresh])
 
     def sample(self, logits: torch.Tensor, reqs: list[ScheduledRequest]) -> SamplerOutput:
         """The next token of each of `reqs` from its row of `logits`."""
@@ -305,15 +323,7 @@ class Sampler:
     ) -> None:
         pen = [(i, st) for i, st in enumerate(states) if st and st.output_counts is not None]
         if pen:
-            none = torch.zeros(self.vocab_size, dtype=torch.bool)
-            batch.penalties = Penalties(
-                torch.tensor([i for i, _ in pen], dtype=torch.long),
-                torch.stack([st.output_counts for _, st in pen]),  # type: ignore[misc]
-                torch.stack([none if st.prompt_mask is None else st.prompt_mask for _, st in pen]),
-                torch.tensor([st.options.presence_penalty for _, st in pen]),
-                torch.tensor([st.options.frequency_penalty for _, st in pen]),
-                torch.tensor([st.options.repetition_penalty for _, st in pen]),
-            )
+            batch.penalties = _penalties(pen)
         banned = [
             (i, t)
             for i, (s, st) in enumerate(zip(reqs, states, strict=True))
@@ -358,6 +368,38 @@ class Sampler:
             raw = torch.log_softmax(compute_logits(hidden[a:b]), dim=-1)
             out += gather_logprobs(raw, targets[a:b], [k] * (b - a))
         return PromptLogprobs(start + 1, out)
+
+
+def _penalties(rows: list[tuple[int, _RequestSampling]]) -> Penalties:
+    """The penalised rows' distinct tokens, concatenated (one small gather per request)."""
+    repeated: list[tuple[int, torch.Tensor, float]] = []
+    output: list[tuple[int, torch.Tensor, torch.Tensor]] = []
+    for i, st in rows:
+        o = st.options
+        assert st.output_counts is not None and st.output_ids is not None
+        if st.seen_ids is not None:
+            repeated.append((i, st.seen_ids, o.repetition_penalty))
+        if o.frequency_penalty or o.presence_penalty:
+            counts = st.output_counts[st.output_ids]
+            output.append((i, st.output_ids, o.frequency_penalty * counts + o.presence_penalty))
+    return Penalties(
+        _triples([(i, ids, torch.full(ids.shape, rp)) for i, ids, rp in repeated]),
+        _triples(output),
+    )
+
+
+def _triples(
+    parts: list[tuple[int, torch.Tensor, torch.Tensor]],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(rows, token ids, values) from each row's (row, token ids, values)."""
+    if not parts:
+        empty = torch.zeros(0, dtype=torch.long)
+        return empty, empty, torch.zeros(0)
+    return (
+        torch.cat([torch.full(ids.shape, i, dtype=torch.long) for i, ids, _ in parts]),
+        torch.cat([ids for _, ids, _ in parts]),
+        torch.cat([values for _, _, values in parts]),
+    )
 
 
 def _banned(state: _RequestSampling, num_output_tokens: int) -> list[int]:
