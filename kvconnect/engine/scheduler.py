@@ -228,6 +228,8 @@ class Scheduler:
                 if matched is None:
                     return Admission(AdmissionOutcome.UNDECIDED)
                 num_external = matched
+                if req.sampling_params.prompt_logprobs is not None:
+                    num_external, load_async = 0, False  # every position's logits are needed
         num_computed = num_local + num_external
         if load_async:
             block_ids = self.kv_cache_manager.allocate_slots(req, num_computed, hits)

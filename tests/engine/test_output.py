@@ -74,3 +74,16 @@ def test_streamed_text_is_the_text_cut_at_the_first_stop_to_complete(
             expected = full[: min(found)]
             break
     assert state.text == expected and "".join(deltas) == expected
+
+
+def test_no_stop_string_ends_the_output_before_min_tokens() -> None:
+    processor = OutputProcessor(ByteTokenizer())
+    params = SamplingParams(max_tokens=8, stop=("a",), min_tokens=3)
+    req = Request("r", [1], params, block_size=16)
+    state = processor.add(req)
+    for t in b"aaxa":
+        req.append_output_token(t)
+        if processor.update(state):
+            break
+    assert len(req.output_token_ids) == 4 and state.stop_reason == "a"  # the 4th, not the 1st
+    assert state.text == "aax"
