@@ -250,7 +250,8 @@ class Request:
             logit_bias=tuple((p.logit_bias or {}).items()),
             bad_words_token_ids=p.bad_words_token_ids,
             logprobs=p.logprobs,
-            prompt_logprobs=p.prompt_logprobs,
+            # Handed out with the first token: a request preempted after it needs them no more.
+            prompt_logprobs=None if self.output_token_ids else p.prompt_logprobs,
         )
         return None if options == SamplingOptions(options.num_prompt_tokens) else options
 

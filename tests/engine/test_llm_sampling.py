@@ -110,3 +110,30 @@ def test_out_of_vocabulary_ids_are_refused_at_add_request_and_the_engine_goes_on
     (out,) = llm.generate([PROMPTS[2]], SamplingParams(max_tokens=2, ignore_eos=True))
     assert len(out.outputs[0].token_ids) == 2
     assert_nothing_held(llm)
+
+
+def test_a_preempted_request_samples_as_if_it_never_was(llm: LLM) -> None:
+    """Its worker-side state (token counts, bad-word tail) is rebuilt on readmission."""
+    params = SamplingParams(
+        max_tokens=40,
+        ignore_eos=True,
+        temperature=0.9,
+        seed=7,
+        presence_penalty=1.0,
+        frequency_penalty=0.5,
+        repetition_penalty=1.3,
+        bad_words_token_ids=((100,), (101, 102)),
+        logprobs=1,
+    )
+    prompts = [PROMPTS[1][:30], PROMPTS[2] * 6, PROMPTS[1][10:40], PROMPTS[0][:35]]
+    roomy = [o.outputs[0] for o in llm.generate(prompts, params)]
+    with LLM("tiny", max_num_batched_tokens=32, num_kv_blocks=12) as tight:  # 4 x 5 needed
+        cramped = [o.outputs[0] for o in tight.generate(prompts, params)]
+        assert tight.stats().num_preemptions > 0
+        assert_nothing_held(tight)
+    assert [o.token_ids for o in cramped] == [o.token_ids for o in roomy]
+    for a, b in zip(cramped, roomy, strict=True):
+        assert a.logprobs is not None and b.logprobs is not None
+        assert [lp.logprob for lp in a.logprobs] == pytest.approx(
+            [lp.logprob for lp in b.logprobs], abs=1e-4
+        )
