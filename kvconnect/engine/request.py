@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvconnect.hashing import DEFAULT_ALGORITHM, ExtraKeys, RequestBlockHasher, to_event
 from kvconnect.messages import PositionLogprobs, SamplingOptions
+from kvconnect.tokenizer import Tokenizer
 
 SAMPLING_EPS = 1e-5
 """Temperatures below this are greedy (vLLM's `_SAMPLING_EPS`)."""
@@ -141,6 +142,25 @@ class SamplingParams:
             bad = next((t for t in ids if t >= vocab_size), None)
             if bad is not None:
                 raise self._fail(name, f"token id {bad} is not in the vocabulary [0, {vocab_size})")
+
+
+def bad_words_token_ids(words: Sequence[str], tokenizer: Tokenizer) -> tuple[tuple[int, ...], ...]:
+    """vLLM's `bad_words` (strings) as `SamplingParams.bad_words_token_ids`: each word bare,
+    and with a leading space if that gives another first token and as many tokens (the word
+    at the start of the text, and within it). `ValueError` naming bad_words for an empty word
+    or one that encodes to no token."""
+    out: list[tuple[int, ...]] = []
+    for word in dict.fromkeys(words):
+        if not isinstance(word, str) or not word:
+            raise ValueError(f"bad_words: {word!r} is not a non-empty string")
+        bare = tuple(tokenizer.encode(word.lstrip()))
+        if not bare:
+            raise ValueError(f"bad_words: {word!r} encodes to no token")
+        out.append(bare)
+        spaced = tuple(tokenizer.encode(" " + word.lstrip()))
+        if spaced and spaced[0] != bare[0] and len(spaced) == len(bare):
+            out.append(spaced)
+    return tuple(out)
 
 
 def _is_int(value: object) -> bool:

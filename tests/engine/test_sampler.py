@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kvconnect.engine.block_pool import BlockPool
-from kvconnect.engine.request import Request, SamplingParams
+from kvconnect.engine.request import Request, SamplingParams, bad_words_token_ids
 from kvconnect.engine.sampler import (
     Sampler,
     SamplingBatch,
@@ -21,6 +21,7 @@ from kvconnect.engine.sampler import (
 )
 from kvconnect.engine.scheduler import Scheduler, SchedulerConfig
 from kvconnect.messages import ScheduledRequest
+from kvconnect.tokenizer import ByteTokenizer, load_tokenizer
 
 VOCAB = 300
 EOS = 2
@@ -266,3 +267,18 @@ def test_requests_without_new_controls_send_no_options() -> None:
     options = asks.sampling_options()
     assert options is not None and options.min_tokens_banned_ids == (EOS,)
     assert options.logprobs == 0 and options.num_prompt_tokens == 2
+
+
+def test_bad_words_become_token_sequences_bare_and_after_a_space_as_in_vllm() -> None:
+    tok = load_tokenizer("smollm2")
+    words = bad_words_token_ids(["Paris", " capital city", "Paris"], tok)
+    assert [tok.decode(list(w)) for w in words] == [
+        "Paris",
+        " Paris",
+        "capital city",
+        " capital city",
+    ]
+    assert bad_words_token_ids(["ab"], ByteTokenizer()) == ((97, 98),)  # " ab" is 3 tokens
+    for bad in ([""], [3]):
+        with pytest.raises(ValueError, match="bad_words"):
+            bad_words_token_ids(bad, ByteTokenizer())  # type: ignore[list-item]
