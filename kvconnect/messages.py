@@ -111,6 +111,66 @@ class ScheduledRequest:
     top_k: int = 0
     seed: int = 0
     num_output_tokens: int = 0
+    sampling: SamplingOptions | None = None
+    """On the request's first step after each admission, if it uses any control beyond
+    temperature, top_p and top_k: the worker keeps it, with the token counts it needs, until
+    the request id comes back in `finished_req_ids`. None on later steps."""
+
+
+@dataclass(frozen=True)
+class SamplingOptions:
+    """The sampling controls a worker keeps per request (`SamplingParams` has their meaning).
+
+    Sent once per admission, not every step. The worker learns the request's tokens from
+    what it computes: `NewRequestData.all_token_ids` at admission (prompt, then any output
+    kept across a preemption), then each output token as the next step's input."""
+
+    num_prompt_tokens: int
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    min_tokens: int = 0
+    min_tokens_banned_ids: tuple[int, ...] = ()
+    """What `min_tokens` keeps from being sampled: stop_token_ids and EOS (even with
+    ignore_eos, as in vLLM)."""
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+
+    @property
+    def has_penalties(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty) or (
+            self.repetition_penalty != 1.0
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class PositionLogprobs:
+    """Log-probabilities at one position: the token there and the most likely alternatives.
+
+    From the raw logits (vLLM's default `logprobs_mode`, "raw_logprobs"): log_softmax of the
+    model's output before temperature, penalties, bias or masks."""
+
+    token_id: int
+    """The token sampled (or, for prompt logprobs, the prompt's token) at this position."""
+    logprob: float
+    rank: int
+    """1 + the number of other tokens at least as likely (vLLM's rank: 1 is the top)."""
+    top_token_ids: tuple[int, ...] = ()
+    """The `logprobs` (or `prompt_logprobs`) most likely tokens, most likely first; their
+    ranks are 1, 2, ..."""
+    top_logprobs: tuple[float, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class PromptLogprobs:
+    """A step's prompt logprobs for one request: of prompt tokens `start`, `start + 1`, ...
+    (a prompt's token 0 has none; its token i is scored from the logits at position i - 1)."""
+
+    start: int
+    logprobs: list[PositionLogprobs]
 
 
 @dataclass

@@ -151,8 +151,9 @@ class Executor:
 
     def execute_model(
         self, scheduler_output: SchedulerOutput
-    ) -> tuple[dict[str, int], KVConnectorOutput | None]:
-        """Run one step on every worker: (sampled tokens, the workers' folded connector output)."""
+    ) -> tuple[WorkerOutput, KVConnectorOutput | None]:
+        """Run one step on every worker: (rank 0's output: the sampled tokens and logprobs, the
+        workers' folded connector output)."""
         if self._dead:
             raise EngineDeadError("the engine's workers are gone")
         for rank, conn in enumerate(self._conns):
@@ -166,7 +167,7 @@ class Executor:
         kv_output = None
         if self._has_connector:
             kv_output = self.aggregator.aggregate([r.kv_connector_output for r in results])
-        return results[0].sampled, kv_output
+        return results[0], kv_output
 
     def shutdown(self, timeout: float = 5.0) -> None:
         """Stop every worker: ask, wait up to `timeout`, then terminate, then kill."""

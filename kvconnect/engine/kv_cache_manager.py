@@ -22,8 +22,9 @@ class KVCacheManager:
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """The longest cached prefix of `request` (blocks, tokens). At least one token is left
-        to compute, so that the step produces logits."""
-        if not self.pool.enable_caching:
+        to compute, so that the step produces logits. A request asking for prompt logprobs
+        reads nothing: they need every prompt position's logits (as in vLLM)."""
+        if not self.pool.enable_caching or request.sampling_params.prompt_logprobs is not None:
             return [], 0
         max_blocks = (request.num_tokens - 1) // self.block_size
         hits = []

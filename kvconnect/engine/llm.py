@@ -223,6 +223,7 @@ class LLM:
             raise ValueError("add_request takes SamplingParams with n=1 (generate fans out n)")
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self._check_prompt(token_ids, params.max_tokens)
+        params.check_token_ids(self.info.vocab_size)
         if request_id is None:
             request_id, self._next_id = str(self._next_id), self._next_id + 1
         request = Request(
@@ -295,15 +296,19 @@ class LLM:
         finishes its request now). The deltas wait for `_take_deltas`."""
         scheduler_output = self.scheduler.schedule()
         try:
-            sampled, kv_output = self.executor.execute_model(scheduler_output)
+            out, kv_output = self.executor.execute_model(scheduler_output)
         except EngineDeadError as e:
             self._fail_all(str(e))
             raise
-        self.scheduler.update_from_output(scheduler_output, sampled, kv_output)
-        for request_id in sampled:
+        self.scheduler.update_from_output(scheduler_output, out.sampled, kv_output)
+        for request_id, prompt_logprobs in out.prompt_logprobs.items():
+            if (state := self._states.get(request_id)) is not None:
+                state.add_prompt_logprobs(prompt_logprobs)
+        for request_id in out.sampled:
             state = self._states.get(request_id)
             if state is None:
                 continue
+            state.add_logprobs(out.logprobs.get(request_id))
             self._progressed[request_id] = None
             if self.outputs.update(state) and not state.request.status.is_finished:
                 self.scheduler.abort_request(request_id, RequestStatus.FINISHED_STOPPED)

@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvconnect.engine.request import CompletionOutput, Request, RequestOutput
+from kvconnect.messages import PositionLogprobs, PromptLogprobs
 from kvconnect.tokenizer import Tokenizer
 
 
@@ -39,6 +40,11 @@ class RequestDelta:
     """Set on the request's last delta: "stop", "length", "abort" or "error"."""
     stop_reason: str | int | None = None
     """On the last delta: the stop string or stop token id that ended it, if one did."""
+    logprobs: list[PositionLogprobs] | None = None
+    """One per token of token_ids, if the request asked (`SamplingParams.logprobs`)."""
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    """On the request's first delta with tokens, if it asked (`SamplingParams.prompt_logprobs`):
+    one per prompt token, the first None (as vLLM's)."""
 
     @property
     def request_id(self) -> str:
@@ -63,21 +69,49 @@ class RequestState:
     """Output tokens already handed out by `take_delta`."""
     stop_reason: str | int | None = None
     """The stop string (or stop token id) that ended the request; None otherwise."""
+    logprobs: list[PositionLogprobs] | None = None
+    """One per output token so far, if the request asked."""
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    """One per prompt token, filled as prefill chunks compute them, if the request asked."""
     _holdback: int = field(default=0, repr=False)
+
+    def add_logprobs(self, logprobs: PositionLogprobs | None) -> None:
+        """The logprobs of the token a step sampled; kept only if the token was (a token
+        whose blocks failed to load is dropped and sampled again)."""
+        mine = self.logprobs
+        if mine is None or logprobs is None:
+            return
+        if len(mine) < len(self.request.output_token_ids):
+            mine.append(logprobs)
+
+    def add_prompt_logprobs(self, chunk: PromptLogprobs) -> None:
+        """A step's prompt positions (a recomputed position is written again, the same)."""
+        if self.prompt_logprobs is not None:
+            self.prompt_logprobs[chunk.start : chunk.start + len(chunk.logprobs)] = chunk.logprobs
 
     def take_delta(self) -> RequestDelta | None:
         """The tokens and text not handed out before, with the end once the request has
         finished; None while it runs and nothing is new."""
         req = self.request
-        token_ids = req.output_token_ids[self.num_sent_tokens :]
+        first, token_ids = self.num_sent_tokens, req.output_token_ids[self.num_sent_tokens :]
         finished = req.status.is_finished
         if not token_ids and not finished:
             return None
         self.num_sent_tokens += len(token_ids)
+        logprobs = None if self.logprobs is None else self.logprobs[first : self.num_sent_tokens]
+        prompt_logprobs = self.prompt_logprobs if first == 0 and token_ids else None
         if not finished:
-            return RequestDelta(req, token_ids, self._take_text())
+            return RequestDelta(
+                req, token_ids, self._take_text(), None, None, logprobs, prompt_logprobs
+            )
         return RequestDelta(
-            req, token_ids, self._take_text(), req.status.finish_reason, self.stop_reason
+            req,
+            token_ids,
+            self._take_text(),
+            req.status.finish_reason,
+            self.stop_reason,
+            logprobs,
+            prompt_logprobs,
         )
 
     def _take_text(self) -> str:
@@ -97,8 +131,13 @@ class OutputProcessor:
         self.tokenizer = tokenizer
 
     def add(self, request: Request) -> RequestState:
-        stops = request.sampling_params.stop
-        return RequestState(request, _holdback=max((len(s) for s in stops), default=1) - 1)
+        params = request.sampling_params
+        state = RequestState(request, _holdback=max((len(s) for s in params.stop), default=1) - 1)
+        if params.logprobs is not None:
+            state.logprobs = []
+        if params.prompt_logprobs is not None:
+            state.prompt_logprobs = [None] * len(request.prompt_token_ids)
+        return state
 
     def update(self, state: RequestState) -> bool:
         """Decode the request's output; True if a stop string ends it now (the caller then
@@ -106,7 +145,12 @@ class OutputProcessor:
         req = state.request
         text = self.tokenizer.decode(req.output_token_ids)
         stops = req.sampling_params.stop
-        if stops and state.stop_reason is None:
+        # As vLLM: no stop string ends the output before min_tokens (nor is looked for).
+        if (
+            stops
+            and state.stop_reason is None
+            and len(req.output_token_ids) > req.sampling_params.min_tokens
+        ):
             # Only the new tail can hold a stop string that was not there before. The text
             # before it is stable up to its first incomplete character (which may yet merge).
             pending = state.text.find("\ufffd")
@@ -132,6 +176,9 @@ def request_output(
     outputs = []
     for j, r in enumerate(requests):
         mine = deltas.get(r.request_id, [])
+        logprobs = None
+        if r.sampling_params.logprobs is not None:
+            logprobs = [lp for d in mine for lp in d.logprobs or ()]
         outputs.append(
             CompletionOutput(
                 j,
@@ -139,9 +186,12 @@ def request_output(
                 list(r.output_token_ids),
                 r.status.finish_reason,
                 mine[-1].stop_reason if mine else None,
+                logprobs,
             )
         )
     first = requests[0]
+    firsts = deltas.get(first.request_id, [])
+    prompt_logprobs = next((d.prompt_logprobs for d in firsts if d.prompt_logprobs), None)
     return RequestOutput(
         request_id=first.request_id,
         prompt=prompt,
@@ -151,4 +201,5 @@ def request_output(
         num_cached_tokens=first.num_cached_tokens or 0,
         num_external_tokens=first.num_external_tokens,
         kv_transfer_params=first.kv_transfer_params,
+        prompt_logprobs=prompt_logprobs,
     )

@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvconnect.hashing import DEFAULT_ALGORITHM, ExtraKeys, RequestBlockHasher, to_event
+from kvconnect.messages import PositionLogprobs, SamplingOptions
+from kvconnect.tokenizer import Tokenizer
 
 SAMPLING_EPS = 1e-5
 """Temperatures below this are greedy (vLLM's `_SAMPLING_EPS`)."""
+MAX_LOGPROBS = 20
+"""Most alternatives `logprobs` and `prompt_logprobs` may ask for (vLLM's `max_logprobs`)."""
 
 
 @dataclass(frozen=True)
@@ -35,11 +40,42 @@ class SamplingParams:
     """Tokens that end the output when generated (included in token_ids, as EOS is)."""
     ignore_eos: bool = False
     """Keep generating past the end-of-sequence token."""
+    presence_penalty: float = 0.0
+    """Subtracted from the logit of every token the output already holds; in [-2, 2]."""
+    frequency_penalty: float = 0.0
+    """Subtracted from a token's logit once per time the output holds it; in [-2, 2]."""
+    repetition_penalty: float = 1.0
+    """For tokens of the prompt or the output: a positive logit is divided by it, a negative
+    one multiplied; > 0, 1 is off (vLLM's, after the CTRL paper)."""
+    min_p: float = 0.0
+    """Sample only tokens at least min_p times as likely as the most likely one (after
+    temperature); in [0, 1], 0 is off."""
+    min_tokens: int = 0
+    """Output tokens before EOS or a stop token id may be sampled (and a stop string end
+    the output); at most max_tokens."""
+    logit_bias: Mapping[int, float] | None = None
+    """Added to the logits of these token ids before sampling (the OpenAI API clamps each
+    to [-100, 100])."""
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
+    """Token sequences never to generate: the last token of one is banned wherever the output
+    ends with the rest of it (vLLM's `bad_words`, after tokenizing each word both bare and
+    with a leading space)."""
+    logprobs: int | None = None
+    """Return each output token's logprob and rank, with this many most likely alternatives
+    (0 to 20)."""
+    prompt_logprobs: int | None = None
+    """Return each prompt token's logprob (the first is None) with this many alternatives
+    (0 to 20). Such a request reads nothing from the prefix cache, as in vLLM."""
 
     def __post_init__(self) -> None:
-        def fail(name: str, why: str) -> ValueError:
-            return ValueError(f"SamplingParams.{name}={getattr(self, name)!r}: {why}")
+        self._check_basics()
+        self._check_controls()
 
+    def _fail(self, name: str, why: str) -> ValueError:
+        return ValueError(f"SamplingParams.{name}={getattr(self, name)!r}: {why}")
+
+    def _check_basics(self) -> None:
+        fail = self._fail
         if not _is_int(self.n) or self.n < 1:
             raise fail("n", "must be an integer >= 1")
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
@@ -61,6 +97,70 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
             raise fail("stop_token_ids", "must be token ids (integers >= 0)")
+
+    def _check_controls(self) -> None:
+        """The penalties, masks and logprobs, with vLLM's bounds."""
+        fail = self._fail
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not _is_number(getattr(self, name)) or not -2 <= getattr(self, name) <= 2:
+                raise fail(name, "must be a number in [-2, 2]")
+        rp = self.repetition_penalty
+        if not _is_number(rp) or not 0 < rp < float("inf"):
+            raise fail("repetition_penalty", "must be a finite number > 0")
+        if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
+            raise fail("min_p", "must be a number in [0, 1]")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise fail("min_tokens", f"must be an integer in [0, max_tokens={self.max_tokens}]")
+        if self.logit_bias is not None:
+            bias = dict(self.logit_bias) if isinstance(self.logit_bias, Mapping) else None
+            if bias is None or not all(
+                _is_int(t) and t >= 0 and _is_number(b) and abs(b) < float("inf")
+                for t, b in bias.items()
+            ):
+                raise fail("logit_bias", "must map token ids (integers >= 0) to finite numbers")
+            object.__setattr__(self, "logit_bias", bias or None)
+        words: object = self.bad_words_token_ids
+        if not isinstance(words, list | tuple) or not all(
+            isinstance(w, list | tuple) and w and all(_is_int(t) and t >= 0 for t in w)
+            for w in words
+        ):
+            raise fail("bad_words_token_ids", "must be non-empty sequences of token ids")
+        object.__setattr__(self, "bad_words_token_ids", tuple(tuple(w) for w in words))
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
+                raise fail(name, f"must be None or an integer in [0, {MAX_LOGPROBS}]")
+
+    def check_token_ids(self, vocab_size: int) -> None:
+        """`ValueError` naming the field if a token id here is not in [0, vocab_size)."""
+        fields = {
+            "stop_token_ids": self.stop_token_ids,
+            "logit_bias": tuple(self.logit_bias or ()),
+            "bad_words_token_ids": tuple(t for w in self.bad_words_token_ids for t in w),
+        }
+        for name, ids in fields.items():
+            bad = next((t for t in ids if t >= vocab_size), None)
+            if bad is not None:
+                raise self._fail(name, f"token id {bad} is not in the vocabulary [0, {vocab_size})")
+
+
+def bad_words_token_ids(words: Sequence[str], tokenizer: Tokenizer) -> tuple[tuple[int, ...], ...]:
+    """vLLM's `bad_words` (strings) as `SamplingParams.bad_words_token_ids`: each word bare,
+    and with a leading space if that gives another first token and as many tokens (the word
+    at the start of the text, and within it). `ValueError` naming bad_words for an empty word
+    or one that encodes to no token."""
+    out: list[tuple[int, ...]] = []
+    for word in dict.fromkeys(words):
+        if not isinstance(word, str) or not word:
+            raise ValueError(f"bad_words: {word!r} is not a non-empty string")
+        bare = tuple(tokenizer.encode(word.lstrip()))
+        if not bare:
+            raise ValueError(f"bad_words: {word!r} encodes to no token")
+        out.append(bare)
+        spaced = tuple(tokenizer.encode(" " + word.lstrip()))
+        if spaced and spaced[0] != bare[0] and len(spaced) == len(bare):
+            out.append(spaced)
+    return tuple(out)
 
 
 def _is_int(value: object) -> bool:
@@ -155,11 +255,37 @@ class Request:
         self.all_token_ids.append(token_id)
         self._hasher.append([token_id])
 
+    def sampling_options(self) -> SamplingOptions | None:
+        """What the workers keep for this request's sampling; None if it uses nothing beyond
+        temperature, top_p and top_k."""
+        p = self.sampling_params
+        options = SamplingOptions(
+            num_prompt_tokens=len(self.prompt_token_ids),
+            presence_penalty=p.presence_penalty,
+            frequency_penalty=p.frequency_penalty,
+            repetition_penalty=p.repetition_penalty,
+            min_p=p.min_p if p.temperature > 0 else 0.0,  # greedy ignores it, as in vLLM
+            min_tokens=p.min_tokens,
+            min_tokens_banned_ids=self._stop_ids() if p.min_tokens else (),
+            logit_bias=tuple((p.logit_bias or {}).items()),
+            bad_words_token_ids=p.bad_words_token_ids,
+            logprobs=p.logprobs,
+            # Handed out with the first token: a request preempted after it needs them no more.
+            prompt_logprobs=None if self.output_token_ids else p.prompt_logprobs,
+        )
+        return None if options == SamplingOptions(options.num_prompt_tokens) else options
+
+    def _stop_ids(self) -> tuple[int, ...]:
+        eos = () if self.eos_token_id is None else (self.eos_token_id,)
+        return tuple(dict.fromkeys([*self.sampling_params.stop_token_ids, *eos]))
+
     def check_stop(self) -> RequestStatus | None:
         """The finished status this request has reached, if any."""
         if not self.output_token_ids:
             return None
         params = self.sampling_params
+        if len(self.output_token_ids) < params.min_tokens:
+            return None
         last = self.output_token_ids[-1]
         if (
             not params.ignore_eos and self.eos_token_id is not None and last == self.eos_token_id
@@ -179,6 +305,8 @@ class CompletionOutput:
     """"stop", "length", "abort" or "error"."""
     stop_reason: str | int | None = None
     """The stop string or stop token that ended it; None for EOS or a length limit."""
+    logprobs: list[PositionLogprobs] | None = None
+    """One per token of token_ids, if `SamplingParams.logprobs` asked."""
 
 
 @dataclass
@@ -193,3 +321,5 @@ class RequestOutput:
     num_external_tokens: int = 0
     """Prompt tokens a KV connector loaded."""
     kv_transfer_params: dict[str, Any] | None = field(default=None)
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    """One per prompt token (the first None), if `SamplingParams.prompt_logprobs` asked."""

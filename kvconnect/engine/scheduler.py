@@ -228,6 +228,8 @@ class Scheduler:
                 if matched is None:
                     return Admission(AdmissionOutcome.UNDECIDED)
                 num_external = matched
+                if req.sampling_params.prompt_logprobs is not None:
+                    num_external, load_async = 0, False  # every position's logits are needed
         num_computed = num_local + num_external
         if load_async:
             block_ids = self.kv_cache_manager.allocate_slots(req, num_computed, hits)
@@ -265,7 +267,7 @@ class Scheduler:
                 req.cache_salt,
             )
         )
-        self._add_scheduled(scheduler_output, req, num_new, block_ids)
+        self._add_scheduled(scheduler_output, req, num_new, block_ids, admitted=True)
         return Admission(AdmissionOutcome.SCHEDULED, num_new)
 
     def _record_hits(self, req: Request, num_local: int, num_external: int) -> None:
@@ -277,7 +279,12 @@ class Scheduler:
             self.stats.num_external_tokens += num_external
 
     def _add_scheduled(
-        self, scheduler_output: SchedulerOutput, req: Request, num_new: int, block_ids: list[int]
+        self,
+        scheduler_output: SchedulerOutput,
+        req: Request,
+        num_new: int,
+        block_ids: list[int],
+        admitted: bool = False,
     ) -> None:
         start = req.num_computed_tokens
         params = req.sampling_params
@@ -295,6 +302,7 @@ class Scheduler:
                 if params.seed is not None
                 else zlib.crc32(req.request_id.encode()),
                 num_output_tokens=len(req.output_token_ids),
+                sampling=req.sampling_options() if admitted else None,
             )
         )
         scheduler_output.num_scheduled_tokens[req.request_id] = num_new

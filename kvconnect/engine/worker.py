@@ -7,7 +7,7 @@ Runs in its own process (`worker_main`), driven over a pipe by the executor:
 
 The connector's part of a step runs through `connector.step.run_worker_step`, in vLLM's order,
 with the forward pass inside it. Rank 0 samples the next tokens; every rank returns its
-`KVConnectorOutput`.
+`KVConnectorOutput`. Sampling is `engine/sampler.py`: one batched pass per step.
 """
 
 from __future__ import annotations
@@ -26,9 +26,15 @@ from kvconnect.config import KVTransferConfig
 from kvconnect.connector.base import KVConnectorBase, KVConnectorContext, KVConnectorRole
 from kvconnect.connector.registry import KVConnectorFactory
 from kvconnect.connector.step import run_worker_step
+from kvconnect.engine.sampler import Sampler
 from kvconnect.engine.shm_all_reduce import ShmAllReduce, ShmAllReduceHandle
 from kvconnect.hashing import DEFAULT_ALGORITHM
-from kvconnect.messages import KVConnectorOutput, ScheduledRequest, SchedulerOutput
+from kvconnect.messages import (
+    KVConnectorOutput,
+    PositionLogprobs,
+    PromptLogprobs,
+    SchedulerOutput,
+)
 from kvconnect.model.llama import AttentionMetadata, LayerHooks
 from kvconnect.model.loader import load_model
 
@@ -82,6 +88,10 @@ class WorkerOutput:
 
     sampled: dict[str, int] = field(default_factory=dict)
     """Next token per sampling request (rank 0 only)."""
+    logprobs: dict[str, PositionLogprobs] = field(default_factory=dict)
+    """The sampled token's logprobs, for requests that ask (rank 0 only)."""
+    prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
+    """Prompt logprobs of the positions computed this step, for requests that ask."""
     kv_connector_output: KVConnectorOutput | None = None
 
 
@@ -123,6 +133,7 @@ class ModelRunner:
         shape = self.model.kv_cache_shape(config.num_kv_blocks, config.block_size)
         self.kv_caches = [torch.zeros(shape, dtype=dtype) for _ in self.model.layer_names]
         self.kv_caches_by_name = dict(zip(self.model.layer_names, self.kv_caches, strict=True))
+        self.sampler = Sampler(self.model.config.vocab_size)
         self.connector: KVConnectorBase | None = None
         if config.kv_transfer_config is not None and config.kv_transfer_config.kv_connector:
             self.connector = KVConnectorFactory.create_connector(
@@ -157,17 +168,22 @@ class ModelRunner:
         prepared = self._prepare(scheduler_output) if scheduler_output.scheduled else None
         attn_metadata = prepared[2] if prepared is not None else None
 
-        def forward(hooks: LayerHooks | None) -> dict[str, int]:
+        if self.rank == 0:
+            self.sampler.update(scheduler_output)
+
+        def forward(hooks: LayerHooks | None) -> WorkerOutput:
             if prepared is None:
-                return {}
+                return WorkerOutput()
             input_ids, positions, meta = prepared
             hidden = self.model(input_ids, positions, self.kv_caches, meta, hooks)
-            return self._sample(scheduler_output, hidden, meta) if self.rank == 0 else {}
+            return (
+                self._sample(scheduler_output, hidden, meta) if self.rank == 0 else WorkerOutput()
+            )
 
         if self.connector is None:
-            return WorkerOutput(forward(None))
+            return forward(None)
         assert scheduler_output.kv_connector_metadata is not None
-        sampled, kv_output = run_worker_step(
+        out, kv_output = run_worker_step(
             self.connector,
             scheduler_output.kv_connector_metadata,
             scheduler_output.finished_req_ids,
@@ -175,49 +191,41 @@ class ModelRunner:
             forward_context=ForwardContext(self.kv_caches_by_name, attn_metadata),
             attn_metadata=attn_metadata,
         )
-        return WorkerOutput(sampled, kv_output)
+        out.kv_connector_output = kv_output
+        return out
 
     def _sample(
         self, scheduler_output: SchedulerOutput, hidden: torch.Tensor, meta: AttentionMetadata
-    ) -> dict[str, int]:
+    ) -> WorkerOutput:
+        """The step's next tokens (one batched pass over the sampling rows) and the logprobs
+        that requests asked for, prompt positions included."""
+        out = WorkerOutput()
         rows, reqs = [], []
         end = 0
         for s, n in zip(scheduler_output.scheduled, meta.query_lens, strict=True):
+            if self.sampler.wants_prompt_logprobs(s):
+                lps = self.sampler.prompt_logprobs(
+                    s, hidden[end : end + n], self.model.compute_logits
+                )
+                if lps is not None:
+                    out.prompt_logprobs[s.request_id] = lps
             end += n
             if s.sample:
                 rows.append(end - 1)
                 reqs.append(s)
-        if not rows:
-            return {}
-        logits = self.model.compute_logits(hidden[rows])
-        return {s.request_id: sample(row, s) for s, row in zip(reqs, logits, strict=True)}
+        if rows:
+            result = self.sampler.sample(self.model.compute_logits(hidden[rows]), reqs)
+            for s, token_id, lp in zip(reqs, result.token_ids, result.logprobs, strict=True):
+                out.sampled[s.request_id] = token_id
+                if lp is not None:
+                    out.logprobs[s.request_id] = lp
+        return out
 
     def shutdown(self) -> None:
         if self.connector is not None:
             self.connector.shutdown()
         if self._all_reduce is not None:
             self._all_reduce.close()
-
-
-def sample(logits: torch.Tensor, s: ScheduledRequest) -> int:
-    """One next token: greedy at temperature 0, else from softmax(logits / T), cut to the
-    top_k most likely and to the smallest set reaching top_p. The random choice depends only
-    on the request's seed and position, so it is the same at any TP size."""
-    if s.temperature == 0:
-        return int(logits.argmax())
-    probs = torch.softmax(logits / s.temperature, dim=-1)
-    if not bool(torch.isfinite(probs).all()):  # logits that overflow at this temperature
-        return int(logits.argmax())
-    if 0 < s.top_k < probs.numel() or s.top_p < 1.0:
-        sorted_probs, order = probs.sort(descending=True)
-        keep = torch.ones_like(sorted_probs, dtype=torch.bool)
-        if 0 < s.top_k < probs.numel():
-            keep[s.top_k :] = False
-        if s.top_p < 1.0:  # keep a token while the mass before it is below top_p
-            keep &= (sorted_probs.cumsum(0) - sorted_probs) < s.top_p
-        probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_probs[keep])
-    gen = torch.Generator().manual_seed(s.seed * 1_000_003 + s.num_output_tokens)
-    return int(torch.multinomial(probs, 1, generator=gen))
 
 
 def worker_main(config: WorkerConfig, rank: int, conn: Connection) -> None:

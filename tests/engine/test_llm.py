@@ -12,6 +12,7 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -39,8 +40,8 @@ PROMPTS = [
 GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
 
 
-def dense_reference(prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    """Greedy decoding with transformers' Llama on the tiny weights, no KV cache at all."""
+def dense_model() -> Any:
+    """transformers' Llama with the tiny weights."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(
@@ -57,6 +58,12 @@ def dense_reference(prompts: list[list[int]], max_tokens: int) -> list[list[int]
     )
     model = LlamaForCausalLM(cfg).eval()
     model.load_state_dict(tiny_state_dict(TINY, seed=0), strict=True)
+    return model
+
+
+def dense_reference(prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """Greedy decoding with transformers' Llama on the tiny weights, no KV cache at all."""
+    model = dense_model()
     outs = []
     with torch.no_grad():
         for prompt in prompts:
@@ -101,14 +108,39 @@ def test_greedy_matches_dense_reference(
         assert llm.scheduler.kv_cache_manager.num_requests == 0
 
 
+CONTROLS = SamplingParams(
+    max_tokens=12,
+    temperature=0.8,
+    seed=11,
+    ignore_eos=True,
+    presence_penalty=0.8,
+    frequency_penalty=0.4,
+    repetition_penalty=1.5,
+    min_p=0.02,
+    logit_bias={65: 3.0},
+    bad_words_token_ids=((233,), (125, 224)),
+    logprobs=3,
+)
+
+
 def test_seeded_sampling_is_reproducible_across_tp() -> None:
     params = SamplingParams(max_tokens=12, temperature=0.8, seed=11, ignore_eos=True)
-    runs = []
+    runs, controlled = [], []
     for tp in (1, 2):
         with LLM("tiny", tensor_parallel_size=tp) as llm:
             runs.append([o.outputs[0].token_ids for o in llm.generate(PROMPTS[1:], params)])
+            controlled.append([o.outputs[0] for o in llm.generate(PROMPTS[1:], CONTROLS)])
     assert runs[0] == runs[1]
     assert runs[0][0] != dense_reference([PROMPTS[1]], 12)[0]  # not greedy
+    ones, twos = controlled
+    assert [o.token_ids for o in ones] == [o.token_ids for o in twos]
+    for one, two in zip(ones, twos, strict=True):
+        assert one.logprobs is not None and two.logprobs is not None
+        assert [lp.token_id for lp in one.logprobs] == one.token_ids
+        for a, b in zip(one.logprobs, two.logprobs, strict=True):  # TP sums in another order
+            assert a.logprob == pytest.approx(b.logprob, abs=1e-4) and a.rank == b.rank
+        assert 233 not in one.token_ids and all(len(lp.top_token_ids) == 3 for lp in one.logprobs)
+    assert [o.token_ids for o in ones] != runs[0]  # the controls changed the samples
 
 
 def assert_nothing_held(llm: LLM) -> None:

@@ -1,16 +1,13 @@
 """Output text: stop strings found across token boundaries and cut, text held back while it
-could still become a stop string or an incomplete character; sampling's top-k and top-p."""
+could still become a stop string or an incomplete character."""
 
 from __future__ import annotations
 
-import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvconnect.engine.output import OutputProcessor, RequestState
 from kvconnect.engine.request import Request, RequestStatus, SamplingParams
-from kvconnect.engine.worker import sample
-from kvconnect.messages import ScheduledRequest
 from kvconnect.tokenizer import ByteTokenizer
 
 
@@ -79,18 +76,14 @@ def test_streamed_text_is_the_text_cut_at_the_first_stop_to_complete(
     assert state.text == expected and "".join(deltas) == expected
 
 
-def scheduled(**kw: object) -> ScheduledRequest:
-    fields = {"request_id": "r", "token_ids": [1], "start_position": 0, "block_ids": [0]}
-    return ScheduledRequest(**{**fields, "seed": 3, **kw})  # type: ignore[arg-type]
-
-
-def test_top_k_one_and_a_tiny_top_p_are_greedy_and_seeds_repeat() -> None:
-    logits = torch.randn(300, generator=torch.Generator().manual_seed(0))
-    best = int(logits.argmax())
-    for s in (scheduled(temperature=1.0, top_k=1), scheduled(temperature=1.0, top_p=1e-6)):
-        assert {sample(logits, s) for _ in range(20)} == {best}
-    top5 = set(logits.topk(5).indices.tolist())
-    picks = {sample(logits, scheduled(temperature=5.0, top_k=5, seed=i)) for i in range(200)}
-    assert picks <= top5 and len(picks) > 1
-    s = scheduled(temperature=1.0, seed=11)
-    assert sample(logits, s) == sample(logits, s)
+def test_no_stop_string_ends_the_output_before_min_tokens() -> None:
+    processor = OutputProcessor(ByteTokenizer())
+    params = SamplingParams(max_tokens=8, stop=("a",), min_tokens=3)
+    req = Request("r", [1], params, block_size=16)
+    state = processor.add(req)
+    for t in b"aaxa":
+        req.append_output_token(t)
+        if processor.update(state):
+            break
+    assert len(req.output_token_ids) == 4 and state.stop_reason == "a"  # the 4th, not the 1st
+    assert state.text == "aax"

@@ -129,6 +129,26 @@ def test_prefix_cache_hit_counts_whole_blocks_and_leaves_a_token_to_compute() ->
     assert_all_free(s)
 
 
+def test_prompt_logprobs_read_neither_the_prefix_cache_nor_a_connector() -> None:
+    conn = ScriptedConnector()
+    s = make(connector=conn)
+    s.add_request(req("a", 16))
+    drain(s)
+    b = Request("b", list(range(16)), SamplingParams(max_tokens=2, prompt_logprobs=1), BS)
+    conn.matched["b"] = (12, True)  # what the connector would load
+    s.add_request(b)
+    out = step(s)
+    assert out.num_scheduled_tokens == {"b": 16} and out.scheduled[0].start_position == 0
+    assert b.num_cached_tokens == 0 and b.num_external_tokens == 0
+    (alloc,) = [c for c in conn.calls if c[:2] == ("update_state_after_alloc", "b")]
+    assert alloc[2] == out.scheduled[0].block_ids and alloc[3] == 0  # 0 external tokens
+    sampling = out.scheduled[0].sampling
+    assert sampling is not None and sampling.prompt_logprobs == 1  # sent on admission only
+    assert step(s).scheduled[0].sampling is None
+    drain(s)
+    assert_all_free(s)
+
+
 def test_async_load_waits_for_finished_recving() -> None:
     conn = ScriptedConnector()
     s = make(connector=conn)
