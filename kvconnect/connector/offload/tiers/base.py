@@ -362,7 +362,7 @@ def read_mac_key(path: str) -> bytes:
         fd = os.open(path, os.O_RDONLY)
     except OSError as e:
         raise ValueError(f"{where}: cannot be opened ({e.strerror})") from None
-    with os.fdopen(fd, "rb") as f:
+    try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise ValueError(f"{where}: not a regular file")
@@ -370,7 +370,9 @@ def read_mac_key(path: str) -> bytes:
             raise ValueError(
                 f"{where}: readable by every user (mode {stat.S_IMODE(st.st_mode):o}); chmod o-r it"
             )
-        key = f.read(1 << 16).strip()
+        key = os.read(fd, 1 << 16).strip()
+    finally:
+        os.close(fd)
     if len(key) < MIN_KEY_BYTES:
         raise ValueError(
             f"{where}: holds {len(key)} bytes, needs at least {MIN_KEY_BYTES} "
