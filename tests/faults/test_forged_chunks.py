@@ -33,6 +33,8 @@ from tests.faults.test_tier_faults import disk_contents, held, rank_dir
 pytestmark = pytest.mark.slow
 
 GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
+
+
 def prompt(seed: int) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(256) for _ in range(150)]
