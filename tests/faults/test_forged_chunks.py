@@ -27,6 +27,7 @@ from kvconnect.connector.offload.tiers.redis_client import KEY_PREFIX
 from kvconnect.events import TIER_STORAGE_LOCAL, BlockRemoved, BlockStored
 from kvconnect.hashing import block_hashes
 from tests.conftest import start_redis
+from tests.connector.offload.test_offload_engine import assert_no_leaks, offload, step_until
 from tests.connector.offload.test_redis_removals import Instance
 from tests.faults.test_tier_faults import disk_contents, held, rank_dir
 
@@ -75,7 +76,11 @@ def instance(tmp: Path, name: str, tier: dict[str, Any]) -> Instance:
 
 
 def scheduler(inst: Instance) -> OffloadScheduler:
-    connector = inst.llm.connector
+    return scheduler_of(inst.llm)
+
+
+def scheduler_of(llm: LLM) -> OffloadScheduler:
+    connector = llm.connector
     assert isinstance(connector, OffloadConnector) and connector.scheduler is not None
     return connector.scheduler
 
@@ -261,3 +266,27 @@ def test_chunks_planted_on_disk_for_an_unsent_prompt_are_left_alone_under_a_key(
     finally:
         inst.close()
     assert held(inst, TIER_STORAGE_LOCAL) == disk_contents(root)
+
+
+def test_another_checkpoint_under_the_same_model_name_shares_no_entries(
+    tmp_path: Path, server: LocalRedis
+) -> None:
+    """The tiny model's weights are seeded: seed 1 is another checkpoint called "tiny". Its
+    instance must find none of seed 0's chunks in the shared Redis or under the same disk
+    path, and answer as seed 1 does without tiers."""
+    with LLM("tiny", seed=1) as llm:
+        [alone] = llm.generate([P], GREEDY)
+    tiers = (
+        {"kind": "disk", "path": str(tmp_path / "disk"), "max_bytes": 1 << 28},
+        {"kind": "redis", "url": server.url},
+    )
+    for seed in (0, 1):
+        with LLM("tiny", seed=seed, kv_transfer_config=offload(*tiers)) as llm:
+            [out] = llm.generate([P], GREEDY)
+            assert out.num_external_tokens == 0, seed  # nothing of the other seed's
+            if seed == 1:
+                assert out.outputs[0].token_ids == alone.outputs[0].token_ids
+            step_until(llm, lambda llm=llm: not scheduler_of(llm).has_pending_work())
+            assert_no_leaks(llm)
+    namespaces = {k.split(b"/")[0] for k in redis.Redis.from_url(server.url).scan_iter()}
+    assert len(namespaces) == 2 and len(list((tmp_path / "disk").glob("model-*"))) == 2
