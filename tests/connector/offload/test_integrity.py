@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import logging
 import shutil
+import subprocess
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -169,7 +170,7 @@ def test_requirepass_and_an_acl_user_work_and_wrong_credentials_fail_clearly(
     with pytest.raises(redis.exceptions.NoPermissionError):
         acl.set("not-ours", b"")  # nor other keys
     bad = RedisTier(f"redis://kv:wrong@127.0.0.1:{port}/0")
-    with pytest.raises(ValueError, match="unreachable") as e:
+    with pytest.raises(ValueError, match="refused the URL's credentials") as e:
         bad.check_reachable()
     assert "wrong" not in str(e.value)  # the URL in the message is redacted
     bad.close()
@@ -244,3 +245,49 @@ def test_kvconnect_cluster_starts_redis_with_a_password_it_never_prints() -> Non
         assert server.password.encode() not in args  # not on the server's command line
     finally:
         server.stop()
+
+
+@pytest.fixture
+def tls_redis(tmp_path: Path) -> Iterator[str]:
+    """A server that also speaks TLS (a throwaway CA and certificate for 127.0.0.1), with a
+    password; yields its rediss:// URL."""
+    if shutil.which("openssl") is None:
+        pytest.fail("the TLS test makes its certificates with openssl (apt-get install openssl)")
+
+    def openssl(*args: str) -> None:
+        subprocess.run(["openssl", *args], cwd=tmp_path, check=True, capture_output=True)
+
+    new_key = ["-newkey", "rsa:2048", "-nodes", "-days", "1"]
+    openssl("req", "-x509", *new_key, "-keyout", "ca.key", "-out", "ca.crt", "-subj", "/CN=ca")
+    openssl("req", *new_key, "-keyout", "s.key", "-out", "s.csr", "-subj", "/CN=127.0.0.1")
+    (tmp_path / "ext.cnf").write_text("subjectAltName=IP:127.0.0.1\n")
+    openssl(
+        "x509", "-req", "-in", "s.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
+        "-out", "s.crt", "-extfile", "ext.cnf", "-days", "1",
+    )  # fmt: skip
+    tls_port = free_port()
+    args = ["--tls-port", str(tls_port), "--tls-auth-clients", "no"]
+    for flag, name in (("cert", "s.crt"), ("key", "s.key"), ("ca-cert", "ca.crt")):
+        args += [f"--tls-{flag}-file", str(tmp_path / name)]
+    server = LocalRedis(port=free_port(), password="tls-secret-89ab", extra_args=args)
+    url = f"rediss://:tls-secret-89ab@127.0.0.1:{tls_port}/0?ssl_ca_certs={tmp_path}/ca.crt"
+    yield url
+    server.stop()
+
+
+def test_rediss_tls_carries_the_tier_and_its_watcher(tls_redis: str) -> None:
+    url = tls_redis
+    key, info, data = chunk(6)
+    with RedisTier(url, mac_key=KEY) as tier:
+        tier.check_reachable()
+        tier.put(key, info, data)
+        assert torch.equal(tier.get(key), data)  # type: ignore[arg-type]
+    untrusted = RedisTier(url.partition("?")[0])  # no CA: the server's certificate is refused
+    with pytest.raises(ValueError, match="CERTIFICATE_VERIFY_FAILED"):
+        untrusted.check_reachable()
+    untrusted.close()
+    w = watcher(url)
+    try:
+        assert w.connected.wait(10) and w.notifications_checked is True
+    finally:
+        w.shutdown()

@@ -89,6 +89,12 @@ class RedisTier(Tier):
             self._client.ping()
         except ERRORS as e:
             what = "redis cluster tier" if self.cluster else "redis tier"
+            if isinstance(e, redis.AuthenticationError | redis.exceptions.NoPermissionError):
+                raise ValueError(
+                    f"{what} {self.url} refused the URL's credentials ({e}); give "
+                    f"redis://user:password@host:port/db (or redis://:password@... for "
+                    f"requirepass)"
+                ) from None
             raise ValueError(f"{what} {self.url} is unreachable: {e}") from None
 
     def contains(self, key: str) -> bool:
