@@ -10,10 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvconnect import LLM, SamplingParams
 from kvconnect.connector.offload.common import ChunkInfo, TierConfig
 from kvconnect.connector.offload.kinds import TierKind
 from kvconnect.connector.offload.tiers.base import TierError, TierPlacement
 from kvconnect.connector.offload.tiers.disk import SUFFIX, DiskTier
+from tests.connector.offload.test_offload_engine import offload
 
 SHAPE = (2, 2, 8, 2, 4)
 BUDGET = 1 << 24
@@ -199,3 +201,14 @@ def test_a_full_filesystem_fails_writes_cleanly_and_keeps_what_was_written(small
         assert tier.get(key) is not None
     tier.clear()
     tier.check_integrity()
+
+
+def test_a_second_engine_on_the_same_disk_path_fails_at_start_naming_why(tmp_path: Path) -> None:
+    config = offload({"kind": "disk", "path": str(tmp_path), "max_bytes": 1 << 26})
+    with LLM("tiny", kv_transfer_config=config) as first:
+        with pytest.raises(Exception, match="in use by another instance") as e:
+            LLM("tiny", kv_transfer_config=config)
+        assert str(tmp_path) in str(e.value)
+        assert first.generate([[1, 2, 3]], SamplingParams(max_tokens=2))  # the first runs on
+    with LLM("tiny", kv_transfer_config=config):  # its lock went with it
+        pass
