@@ -170,6 +170,12 @@ def test_an_unsafe_root_is_refused_with_a_clear_error(tmp_path: Path) -> None:
     open_root.chmod(0o1777)  # sticky, like /tmp: the rank's own directory is safe in it
     with DiskTier.from_config(TierConfig(TierKind.DISK, path=str(open_root)), placement) as t:
         t.check_integrity()
+    shared = TierPlacement(1, 0, namespace="m@0")
+    with DiskTier.from_config(TierConfig(TierKind.DISK, path=str(open_root)), shared) as t:
+        model_dir = t.root.parent
+    model_dir.chmod(0o777)  # another user could swap the rank's directory out of it
+    with pytest.raises(ValueError, match="writable by every user"):
+        DiskTier.from_config(TierConfig(TierKind.DISK, path=str(open_root)), shared)
     mine = tmp_path / "mine"
     DiskTier(str(mine), BUDGET).close()
     assert (mine.stat().st_mode & 0o777) == 0o700  # created owner-only

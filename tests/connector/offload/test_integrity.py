@@ -37,6 +37,8 @@ from tests.helpers import free_port
 SHAPE = (2, 2, 8, 2, 4)
 KEY = b"k" * 32
 PLACEMENT = TierPlacement(1, 0, SHAPE, torch.float32)
+ACL_COMMANDS = ["-@all", "+get", "+set", "+exists", "+ping", "+subscribe"]
+"""What the redis tier and its watcher need (docs/architecture.md): no CONFIG, no other keys."""
 
 
 def chunk(i: int) -> tuple[str, ChunkInfo, torch.Tensor]:
@@ -144,7 +146,7 @@ def locked_redis() -> Iterator[LocalRedis]:
         passwords=["+kv-secret-4567"],
         keys=["kvconnect:*"],
         channels=["__keyevent@0__:*"],
-        commands=["+@all", "-@dangerous"],
+        commands=ACL_COMMANDS,
     )
     yield server
     server.stop()
@@ -217,7 +219,7 @@ def test_the_watcher_names_the_missing_setting_when_it_may_not_set_it(
         passwords=["+kv-secret-4567"],
         keys=["kvconnect:*"],
         channels=["__keyevent@0__:*"],
-        commands=["+@all", "-@dangerous"],
+        commands=ACL_COMMANDS,
     )
     with caplog.at_level(logging.ERROR):
         w = watcher(f"redis://kv:kv-secret-4567@127.0.0.1:{server.port}/0")

@@ -73,8 +73,12 @@ class DiskTier(Tier):
                     f"disk tier: {base} is writable by every user and not sticky (mode "
                     f"{stat.S_IMODE(mode):o}); chmod o-w (or +t) it or use another directory"
                 )
-        model_dir = hashlib.sha256(placement.namespace.encode()).hexdigest()[:16]
-        root = base / f"model-{model_dir}" / f"tp{placement.world_size}-rank{placement.rank}"
+        digest = hashlib.sha256(placement.namespace.encode()).hexdigest()[:16]
+        model_dir = base / f"model-{digest}"
+        # Checked like the rank's own directory: whoever may write in it could swap that.
+        model_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        check_root(model_dir.resolve())
+        root = model_dir / f"tp{placement.world_size}-rank{placement.rank}"
         shape = placement.chunk_shape or None
         mac_key = read_mac_key(config.hmac_key_file) if config.hmac_key_file else None
         return cls(str(root), config.max_bytes, shape, placement.dtype if shape else None, mac_key)
