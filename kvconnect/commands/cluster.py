@@ -14,6 +14,7 @@ import argparse
 import asyncio
 import json
 import logging
+import secrets
 import signal
 import subprocess
 import sys
@@ -215,6 +216,15 @@ def stop_all(procs: list[subprocess.Popen[bytes]]) -> None:
             p.kill()
 
 
+def start_redis(out: TextIO) -> LocalRedis:
+    """The cluster's Redis, with a generated password: it listens on loopback, which every
+    local user reaches. The instances get the password in their tier URL; `out` only the
+    address."""
+    server = LocalRedis(password=secrets.token_urlsafe(24))
+    print(f"# redis on redis://127.0.0.1:{server.port}/0 (password set)", file=out, flush=True)
+    return server
+
+
 def run_cluster(args: argparse.Namespace, out: TextIO) -> int:
     procs: list[subprocess.Popen[bytes]] = []
     front: BackgroundRouter | None = None
@@ -225,8 +235,7 @@ def run_cluster(args: argparse.Namespace, out: TextIO) -> int:
     check_port_free("127.0.0.1", args.base_port, "--base-port (the router)")
     try:
         if args.redis:
-            local_redis = LocalRedis()
-            print(f"# redis on {local_redis.url}", file=out, flush=True)
+            local_redis = start_redis(out)
         redis_url = local_redis.url if local_redis is not None else None
         instances = start_instances(args, redis_url, logs, procs)
         print(f"# {args.instances} instances of {args.model} starting; logs in {logs}", file=out)
