@@ -202,7 +202,9 @@ class Router:
         except (msgspec.DecodeError, msgspec.ValidationError):
             return
         details = usage.prompt_tokens_details if usage is not None else None
-        cached = (details.cached_tokens or 0) if details is not None else 0
+        if details is None:  # an instance without --enable-prompt-tokens-details: no count
+            return
+        cached = details.cached_tokens or 0
         if cached < score.num_tokens:
             with self.lock:
                 dropped = self.index.mark_stale(name, check[0], cached, check[1])

@@ -60,6 +60,9 @@ class TierConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     expires is announced (BlockRemoved, STORAGE/REMOTE); see tiers/redis_watch.py."""
     cluster: bool = False
     """Redis: `url` is any node of a Redis Cluster (or Valkey cluster)."""
+    password_file: str = ""
+    """Redis: a file holding the password (not readable by every user), used with the URL's
+    user if it names one; keeps the password out of command lines and config JSON."""
     hmac_key_file: str = ""
     """Disk, redis: a file holding a deployment secret (at least 16 bytes, not readable by
     every user, checked at start); chunks are then HMAC-signed and an unsigned or wrongly
@@ -71,6 +74,11 @@ class TierConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ValueError("the disk tier needs a path")
         if self.kind == TierKind.REDIS and not self.url:
             raise ValueError("the redis tier needs a url")
+        if self.password_file and self.kind != TierKind.REDIS:
+            raise ValueError("password_file is for the redis tier")
+        credentials = self.url.partition("://")[2].partition("/")[0].rpartition("@")[0]
+        if self.password_file and ":" in credentials:
+            raise ValueError("the redis tier has a password in its url and a password_file")
         if self.kind == TierKind.CPU and self.hmac_key_file:
             raise ValueError(
                 "hmac_key_file is for the disk and redis tiers (the cpu tier is this "

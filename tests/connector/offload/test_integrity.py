@@ -16,6 +16,9 @@ import pytest
 import redis
 import torch
 
+from kvconnect.cli import build_parser
+from kvconnect.commands.cluster import instance_command
+from kvconnect.commands.cluster import redis_tier as cluster_redis_tier
 from kvconnect.commands.cluster import start_redis as cluster_redis
 from kvconnect.commands.redis_server import LocalRedis
 from kvconnect.connector.offload.common import ChunkInfo, TierConfig, key_namespace
@@ -30,6 +33,7 @@ from kvconnect.connector.offload.tiers.base import (
     unpack,
 )
 from kvconnect.connector.offload.tiers.redis import RedisTier
+from kvconnect.connector.offload.tiers.redis_client import with_password
 from kvconnect.connector.offload.tiers.redis_watch import RedisWatcher
 from kvconnect.model_source import weights_identity
 from tests.helpers import free_port
@@ -233,20 +237,44 @@ def test_the_watcher_names_the_missing_setting_when_it_may_not_set_it(
     assert "notify-keyspace-events" in line and "'Eex'" in line and "kv-secret" not in line
 
 
-def test_kvconnect_cluster_starts_redis_with_a_password_it_never_prints() -> None:
+def test_kvconnect_cluster_starts_redis_with_a_password_it_never_prints(tmp_path: Path) -> None:
     out = io.StringIO()
     server = cluster_redis(out)
     try:
         assert server.password and len(server.password) >= 24
-        assert server.password in server.url  # the instances' tier URL carries it
         with pytest.raises(redis.AuthenticationError):
             redis.Redis(port=server.port).ping()
         assert redis.Redis.from_url(server.url).ping()
         assert server.password not in out.getvalue() and "password set" in out.getvalue()
         args = Path(f"/proc/{server.proc.pid}/cmdline").read_bytes()
         assert server.password.encode() not in args  # not on the server's command line
+        # The instances get it in a 0600 file their tier config names, not in their argv.
+        tier = cluster_redis_tier(server, str(tmp_path))
+        command = instance_command(0, build_parser().parse_args(["cluster"]), tier)
+        assert server.password not in " ".join(command)
+        assert (Path(str(tier["password_file"])).stat().st_mode & 0o777) == 0o600
+        config = TierConfig(
+            kind=TierKind.REDIS, url=str(tier["url"]), password_file=str(tier["password_file"])
+        )
+        with RedisTier.from_config(config, PLACEMENT) as redis_tier:
+            redis_tier.check_reachable()
     finally:
         server.stop()
+
+
+def test_a_redis_password_file_is_checked_and_exclusive_of_a_url_password(tmp_path: Path) -> None:
+    secret = tmp_path / "pw"
+    secret.write_text("pw\n")
+    secret.chmod(0o644)
+    tier = TierConfig(kind=TierKind.REDIS, url="redis://127.0.0.1:1/0", password_file=str(secret))
+    with pytest.raises(ValueError, match=r"password_file .* readable by every user"):
+        RedisTier.from_config(tier, PLACEMENT)
+    with pytest.raises(ValueError, match="a password in its url and a password_file"):
+        TierConfig(kind=TierKind.REDIS, url="redis://:x@127.0.0.1:1/0", password_file=str(secret))
+    with pytest.raises(ValueError, match="password_file is for the redis tier"):
+        TierConfig(kind=TierKind.DISK, path=str(tmp_path), password_file=str(secret))
+    assert with_password("rediss://kv@h:6380/0", "a/b:c") == "rediss://kv:a%2Fb%3Ac@h:6380/0"
+    assert with_password("redis://h:1/2", "p") == "redis://:p@h:1/2"
 
 
 @pytest.fixture

@@ -353,11 +353,11 @@ def mismatch(asked: ChunkInfo, found: StoredChunk, placement: TierPlacement) -> 
 MIN_KEY_BYTES = 16
 
 
-def read_mac_key(path: str) -> bytes:
-    """The deployment key in the file `path` (a tier's `hmac_key_file`), surrounding
-    whitespace stripped; `ValueError` naming the field and what is wrong: missing, unreadable,
-    shorter than 16 bytes, or readable by every user (refused, as ssh refuses such a key)."""
-    where = f"hmac_key_file {path!r}"
+def read_secret(path: str, field: str, min_bytes: int = 1) -> bytes:
+    """The secret in the file `path` (a tier's `field`), surrounding whitespace stripped;
+    `ValueError` naming the field and what is wrong: missing, unreadable, shorter than
+    `min_bytes`, or readable by every user (refused, as ssh refuses such a key)."""
+    where = f"{field} {path!r}"
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError as e:
@@ -370,12 +370,17 @@ def read_mac_key(path: str) -> bytes:
             raise ValueError(
                 f"{where}: readable by every user (mode {stat.S_IMODE(st.st_mode):o}); chmod o-r it"
             )
-        key = os.read(fd, 1 << 16).strip()
+        secret = os.read(fd, 1 << 16).strip()
     finally:
         os.close(fd)
-    if len(key) < MIN_KEY_BYTES:
+    if len(secret) < min_bytes:
         raise ValueError(
-            f"{where}: holds {len(key)} bytes, needs at least {MIN_KEY_BYTES} "
+            f"{where}: holds {len(secret)} bytes, needs at least {min_bytes} "
             f"(e.g. head -c 32 /dev/urandom | base64 > {path})"
         )
-    return key
+    return secret
+
+
+def read_mac_key(path: str) -> bytes:
+    """The deployment key of a tier's `hmac_key_file` (at least 16 bytes; see read_secret)."""
+    return read_secret(path, "hmac_key_file", MIN_KEY_BYTES)

@@ -33,9 +33,16 @@ from kvconnect.connector.offload.tiers.base import (
     TierPlacement,
     pack,
     read_mac_key,
+    read_secret,
     unpack,
 )
-from kvconnect.connector.offload.tiers.redis_client import ERRORS, KEY_PREFIX, connect, redact
+from kvconnect.connector.offload.tiers.redis_client import (
+    ERRORS,
+    KEY_PREFIX,
+    connect,
+    redact,
+    with_password,
+)
 from kvconnect.connector.offload.tiers.redis_watch import RedisWatcher
 
 logger = logging.getLogger(__name__)
@@ -47,7 +54,11 @@ class RedisTier(Tier):
     @classmethod
     def from_config(cls, config: TierConfig, placement: TierPlacement) -> Self:
         mac_key = read_mac_key(config.hmac_key_file) if config.hmac_key_file else None
-        return cls(config.url, config.ttl_s, config.cluster, config.watch, mac_key)
+        url = config.url
+        if config.password_file:
+            password = read_secret(config.password_file, "password_file").decode()
+            url = with_password(url, password)
+        return cls(url, config.ttl_s, config.cluster, config.watch, mac_key)
 
     def __init__(
         self,
