@@ -50,6 +50,7 @@ from kvconnect.stream.replay import ReplayRing, ReplayServer, open_replay_socket
 from kvconnect.stream.state import StreamState
 from kvconnect.stream.wire import (
     END_SEQ,
+    MAX_REQUEST_BYTES,
     SNAPSHOT_REQUEST,
     PublisherStatus,
     offset_endpoint,
@@ -183,6 +184,8 @@ class ZmqEventPublisher(EventPublisher):
         try:
             # Every subscribe and unsubscribe (also of a peer that went away) comes up.
             pub.setsockopt(zmq.XPUB_VERBOSER, 1)
+            # It reads only subscriptions (b"\x01" + topic prefix).
+            pub.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES + len(self._topic_bytes))
             pub.setsockopt(zmq.SNDHWM, self.config.hwm)
             endpoint = offset_endpoint(self.config.endpoint, self._data_parallel_rank)
             assert endpoint is not None  # the config resolved it

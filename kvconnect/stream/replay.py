@@ -28,12 +28,13 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from queue import Empty, SimpleQueue
+from typing import Any
 
 import zmq
 
-from kvconnect.events import KVEventBatch, encode_batch
+from kvconnect.events import BlockStored, KVEventBatch, encode_batch
 from kvconnect.stream.state import StreamState
-from kvconnect.stream.wire import END_SEQ, SNAPSHOT_REQUEST, PublisherStatus
+from kvconnect.stream.wire import END_SEQ, MAX_REQUEST_BYTES, SNAPSHOT_REQUEST, PublisherStatus
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +50,26 @@ MAX_REPLAY_SESSIONS = 64
 """Sessions served at once; a new request beyond it replaces the one that progressed least
 recently (a client that reads keeps progressing, so a crowd that does not cannot evict it)."""
 SNAPSHOT_EVENTS_PER_BATCH = 1024
+SNAPSHOT_TOKENS_PER_BATCH = 1 << 20
+"""A snapshot batch ends after this many token ids and block hashes (about 5 MiB of msgpack),
+so it stays far below the subscriber's `wire.MAX_BATCH_BYTES` whatever its events hold."""
+
+
+def _snapshot_chunks(events: list[BlockStored]) -> list[list[Any]]:
+    """`events` cut into batches of at most SNAPSHOT_EVENTS_PER_BATCH events and (but for a
+    single larger event) SNAPSHOT_TOKENS_PER_BATCH token ids and hashes; one batch at least."""
+    chunks: list[list[Any]] = [[]]
+    size = 0
+    for event in events:
+        n = len(event.token_ids) + len(event.block_hashes)
+        if chunks[-1] and (
+            len(chunks[-1]) >= SNAPSHOT_EVENTS_PER_BATCH or size + n > SNAPSHOT_TOKENS_PER_BATCH
+        ):
+            chunks.append([])
+            size = 0
+        chunks[-1].append(event)
+        size += n
+    return chunks
 
 
 class ReplayRing:
@@ -90,6 +111,8 @@ class _Session:
 
 def open_replay_socket(ctx: zmq.Context[zmq.Socket[bytes]]) -> zmq.Socket[bytes]:
     sock = ctx.socket(zmq.ROUTER)
+    # Only requests arrive here: a bigger frame drops its sender before it is read.
+    sock.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES)
     sock.setsockopt(zmq.SNDHWM, REPLAY_CLIENT_HWM)
     # A fixed kernel buffer (no autotuning to megabytes): a client that does not read can
     # absorb only this much before its sends fail.
@@ -166,20 +189,11 @@ class ReplayServer:
         self.num_snapshots += 1
         state = self.state
         fence = max(0, state.seq).to_bytes(8, "big")
-        events = state.events()
         # Nothing published yet: no snapshot (replay from 0 is the whole stream). Else at
         # least one batch, which names the stream (topic, rank) even when it holds nothing.
-        num = 0 if state.seq < 0 else max(1, len(events))
-        step = SNAPSHOT_EVENTS_PER_BATCH
-        parts = deque(
-            (
-                fence,
-                encode_batch(
-                    KVEventBatch(time.time(), list(events[i : i + step]), self._data_parallel_rank)
-                ),
-            )
-            for i in range(0, num, step)
-        )
+        chunks = [] if state.seq < 0 else _snapshot_chunks(state.events())
+        rank = self._data_parallel_rank
+        parts = deque((fence, encode_batch(KVEventBatch(time.time(), c, rank))) for c in chunks)
         answered = self._status()
         answered = PublisherStatus(answered.epoch, state.seq + 1)
         return _Session(identity, 0, 0, answered.encode(), parts, now)

@@ -46,7 +46,7 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from kvconnect.events import EventDecodeError, KVEventBatch, decode_batch
-from kvconnect.stream.wire import END_SEQ, SNAPSHOT_REQUEST, PublisherStatus
+from kvconnect.stream.wire import END_SEQ, MAX_BATCH_BYTES, SNAPSHOT_REQUEST, PublisherStatus
 
 logger = logging.getLogger(__name__)
 
@@ -116,7 +116,7 @@ ReplayEndpoints = str | Sequence[str | None] | Mapping[int, str] | None
 
 _DRAIN = 16  # live messages read per socket per poll
 _PROBE_SEQ = 2**64 - 1  # a replay from here returns only the terminator (with the status)
-_MONITORED = zmq.EVENT_HANDSHAKE_SUCCEEDED
+_MONITORED = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
 
 
 @dataclass
@@ -166,6 +166,7 @@ class KVEventSubscriber:
         snapshots: bool = False,
         replay_timeout: float = 2.0,
         hwm: int = 100_000,
+        max_message_size: int = MAX_BATCH_BYTES,
         context: zmq.Context[Any] | None = None,
     ) -> None:
         self.endpoints = [endpoint] if isinstance(endpoint, str) else list(endpoint)
@@ -175,6 +176,11 @@ class KVEventSubscriber:
         if start_seq is not None and start_seq < 0:
             raise ValueError(f"start_seq must be >= 0, got {start_seq}")
         self._start_seq = start_seq
+        if isinstance(max_message_size, bool) or not isinstance(max_message_size, int):
+            raise ValueError(f"max_message_size must be an integer, got {max_message_size!r}")
+        if max_message_size < 1:
+            raise ValueError(f"max_message_size must be >= 1, got {max_message_size}")
+        self._max_message_size = max_message_size
         self._snapshots = snapshots
         self._replay_timeout = replay_timeout
         self._bind = bind
@@ -204,6 +210,7 @@ class KVEventSubscriber:
     def _open(self, index: int, endpoint: str, hwm: int) -> None:
         sub = self._ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.RCVHWM, hwm)
+        sub.setsockopt(zmq.MAXMSGSIZE, self._max_message_size)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.SUBSCRIBE, self._topic)
         # Connected, each connection that comes up is one publisher: watch for it.
@@ -294,6 +301,12 @@ class KVEventSubscriber:
         event = parse_monitor_message(sock.recv_multipart())
         if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
             self._handshake(source)
+        elif event["event"] == zmq.EVENT_DISCONNECTED:
+            # libzmq reconnects after a lost connection but never after a protocol error (a
+            # frame over MAXMSGSIZE): connect again so the stream always comes back (what it
+            # missed meanwhile is replayed, or reported lost).
+            source.sub.disconnect(source.endpoint)
+            source.sub.connect(source.endpoint)
 
     def _handshake(self, source: _Source) -> None:
         """A connection to the publisher at `source` is up: learn who it is and catch up."""
@@ -494,6 +507,7 @@ class KVEventSubscriber:
         if sock is None:
             sock = self._dealers[endpoint] = self._ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.MAXMSGSIZE, self._max_message_size)
             sock.connect(endpoint)
         answer = _ReplayAnswer([], None, False)
         try:

@@ -1,0 +1,146 @@
+"""The event stream's sockets against hostile peers: a frame over a socket's MAXMSGSIZE drops
+the sender's connection before anything is allocated for it, and with CURVE keys only a
+subscriber that holds the right ones hears anything."""
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from kvconnect.events import encode_batch
+from kvconnect.stream.publisher import ZmqEventPublisher
+from kvconnect.stream.subscriber import KVEventSubscriber
+from kvconnect.stream.wire import MAX_REQUEST_BYTES
+from tests.helpers import make_batch, take, tcp_pair
+
+PUBLISHER = """
+import sys
+from kvconnect.events import encode_batch
+from kvconnect.stream.publisher import ZmqEventPublisher
+from tests.helpers import make_batch
+pub = ZmqEventPublisher.open(bind=True, endpoint=sys.argv[1], replay_endpoint=sys.argv[2])
+for i in range(10):
+    pub.publish(make_batch(i))
+print("ready", flush=True)
+for line in sys.stdin:  # one batch per line, until the test closes stdin
+    pub.publish(make_batch(int(line)))
+pub.shutdown()
+"""
+HUGE = 512 << 20
+
+
+def rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmRSS for pid {pid}")
+
+
+def send_request(
+    ctx: zmq.Context[Any], endpoint: str, frames: list[Any], timeout: float = 10.0
+) -> str:
+    """Send `frames` to a replay socket: "refused" when the publisher drops the connection,
+    "answered" when it read them whole (and answered)."""
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    monitor = dealer.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+    try:
+        dealer.connect(endpoint)
+        dealer.send_multipart(frames, copy=False)
+        poller = zmq.Poller()
+        poller.register(dealer, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
+        ready = dict(poller.poll(int(timeout * 1000)))
+        if monitor in ready:
+            assert recv_monitor_message(monitor)["event"] == zmq.EVENT_DISCONNECTED
+            return "refused"
+        return "answered" if dealer in ready else "nothing"
+    finally:
+        dealer.disable_monitor()
+        monitor.close(linger=0)
+        dealer.close(linger=0)
+
+
+def test_two_512_mib_frames_to_the_replay_socket_are_refused_with_flat_rss() -> None:
+    ep, rp = tcp_pair()
+    proc = subprocess.Popen(
+        [sys.executable, "-c", PUBLISHER, ep, rp],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    ctx: zmq.Context[Any] = zmq.Context()
+    try:
+        assert proc.stdout is not None and proc.stdin is not None
+        assert proc.stdout.readline().strip() == "ready"
+        before = rss_bytes(proc.pid)
+        # One zero-copy buffer, sent twice: the test's own memory stays the kernel's zero page.
+        frame = zmq.Frame(bytearray(HUGE))
+        assert send_request(ctx, rp, [b"", frame, frame], timeout=120) == "refused"
+        growth = rss_bytes(proc.pid) - before
+        assert growth < 16 << 20, f"the publisher grew {growth >> 20} MiB"
+        # It still serves: a subscriber replays its history and hears a live batch.
+        with KVEventSubscriber(ep, rp, start_seq=0, context=ctx) as sub:
+            items = take(sub, 10)
+            proc.stdin.write("10\n")
+            proc.stdin.flush()
+            items += take(sub, 1)
+        assert [getattr(item, "seq", None) for item in items] == list(range(11))
+    finally:
+        proc.kill()
+        proc.wait()
+        ctx.destroy(linger=0)
+
+
+def test_a_request_over_the_limit_drops_that_connection_only() -> None:
+    ep, rp = tcp_pair()
+    ctx: zmq.Context[Any] = zmq.Context()
+    pub = ZmqEventPublisher.open(bind=True, endpoint=ep, replay_endpoint=rp, context=ctx)
+    good = ctx.socket(zmq.DEALER)
+    try:
+        pub.publish(make_batch(0))
+        good.connect(rp)
+        assert send_request(ctx, rp, [b"", b"x" * (MAX_REQUEST_BYTES + 1)]) == "refused"
+        assert send_request(ctx, rp, [b"", b"x" * MAX_REQUEST_BYTES]) == "answered"  # malformed
+        good.send_multipart([b"", (0).to_bytes(8, "big")])
+        assert good.poll(10_000)
+        assert good.recv_multipart()[2] == (0).to_bytes(8, "big")  # [b"", topic, seq, payload]
+    finally:
+        good.close(linger=0)
+        pub.shutdown()
+        ctx.destroy(linger=0)
+
+
+def wait_subscription(xpub: zmq.Socket[bytes], sub: KVEventSubscriber) -> None:
+    """Read `sub` (a SUB acts on a reconnect only while used) until `xpub` sees it subscribe."""
+    for _ in range(200):
+        assert sub.recv(timeout=0.05) is None
+        while xpub.poll(0):
+            if xpub.recv()[:1] == b"\x01":
+                return
+    raise AssertionError("no subscription in 10 s")
+
+
+def test_a_batch_over_the_subscribers_limit_cuts_that_connection_and_it_comes_back() -> None:
+    ep, _ = tcp_pair()
+    ctx: zmq.Context[Any] = zmq.Context()
+    xpub = ctx.socket(zmq.XPUB)
+    xpub.setsockopt(zmq.XPUB_VERBOSE, 1)  # the resubscription too
+    xpub.bind(ep)
+    try:
+        with KVEventSubscriber(ep, max_message_size=1 << 16, context=ctx) as sub:
+            wait_subscription(xpub, sub)
+            big = encode_batch(make_batch(0, num_events=2, block_size=40_000))
+            assert len(big) > 1 << 16
+            xpub.send_multipart([b"", (0).to_bytes(8, "big"), big])
+            wait_subscription(xpub, sub)  # cut off, it reconnected and subscribed again
+            xpub.send_multipart([b"", (1).to_bytes(8, "big"), encode_batch(make_batch(1))])
+            item = sub.recv(timeout=10)
+            assert item is not None and getattr(item, "seq", None) == 1
+            assert sub.num_bad_frames == sub.num_decode_errors == 0  # never read
+    finally:
+        xpub.close(linger=0)
+        ctx.destroy(linger=0)
