@@ -200,6 +200,8 @@ class KVEventSubscriber:
         self.num_gaps_repaired = 0
         self.num_batches_replayed = 0
         self.num_batches_lost = 0
+        self.num_replay_failures = 0
+        """Replay answers that stalled (no message for `replay_timeout`) or failed."""
         self.num_duplicates = 0
         self.num_handshakes = 0
         self.num_snapshots = 0
@@ -502,7 +504,19 @@ class KVEventSubscriber:
 
     def _request_replay(self, endpoint: str, start_seq: int | bytes) -> _ReplayAnswer:
         """Every batch the publisher still holds from `start_seq` on, and its status (or, for
-        SNAPSHOT_REQUEST, its snapshot)."""
+        SNAPSHOT_REQUEST, its snapshot). The deadline is on progress: an answer that stalls
+        for `replay_timeout` after some batches is asked for again from the next seq, so it
+        ends only when complete or when the publisher sends nothing at all for that long."""
+        answer = self._replay_once(endpoint, start_seq)
+        while not answer.complete and answer.batches and isinstance(start_seq, int):
+            more = self._replay_once(endpoint, answer.batches[-1][1] + 1)
+            if not more.batches and not more.complete:
+                break
+            answer.batches.extend(more.batches)
+            answer.status, answer.complete = more.status, more.complete
+        return answer
+
+    def _replay_once(self, endpoint: str, start_seq: int | bytes) -> _ReplayAnswer:
         sock = self._dealers.get(endpoint)
         if sock is None:
             sock = self._dealers[endpoint] = self._ctx.socket(zmq.DEALER)
@@ -534,6 +548,7 @@ class KVEventSubscriber:
                 else:
                     self.num_bad_frames += 1
         except (zmq.ZMQError, TimeoutError) as e:
+            self.num_replay_failures += 1
             logger.warning("KV event subscriber: replay from %s failed: %s", endpoint, e)
             # Late answers would be mistaken for the next request's: start a fresh socket.
             self._dealers.pop(endpoint).close(linger=0)
