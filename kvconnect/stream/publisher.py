@@ -46,6 +46,7 @@ import zmq
 
 from kvconnect.config import KVEventsConfig
 from kvconnect.events import KVEventBatch, encode_batch
+from kvconnect.stream.curve import CurveServerKeys
 from kvconnect.stream.replay import ReplayRing, ReplayServer, open_replay_socket
 from kvconnect.stream.state import StreamState
 from kvconnect.stream.wire import (
@@ -179,9 +180,16 @@ class ZmqEventPublisher(EventPublisher):
     def _open_sockets(
         self, ctx: zmq.Context[Any]
     ) -> tuple[zmq.Socket[bytes], zmq.Socket[bytes] | None]:
+        key_file = self.config.curve_secret_key_file
+        try:
+            curve = CurveServerKeys.from_file(key_file) if key_file else None
+        except ValueError as e:
+            raise ValueError(f"KVEventsConfig.curve_secret_key_file={key_file!r}: {e}") from None
         pub: zmq.Socket[bytes] = ctx.socket(zmq.XPUB)
         replay: zmq.Socket[bytes] | None = None
         try:
+            if curve is not None:
+                curve.apply(pub)
             # Every subscribe and unsubscribe (also of a peer that went away) comes up.
             pub.setsockopt(zmq.XPUB_VERBOSER, 1)
             # It reads only subscriptions (b"\x01" + topic prefix).
@@ -196,6 +204,8 @@ class ZmqEventPublisher(EventPublisher):
             self.endpoint = endpoint
             if self.replay_endpoint is not None:
                 replay = open_replay_socket(ctx)
+                if curve is not None:
+                    curve.apply(replay)
                 self.replay_endpoint = _bind(replay, self.replay_endpoint)
         except zmq.ZMQError as e:
             pub.close(linger=0)

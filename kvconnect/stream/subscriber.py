@@ -16,7 +16,12 @@ Per publisher stream it keeps the last seq it yielded and:
   publisher for the full state of its stream and yields it as a `StreamSnapshot` (replace what
   you hold for that stream), then the batches after its fence, so a consumer's view converges
   to the instance's truth whatever it missed. A publisher without snapshots (vLLM's) answers
-  with nothing, and the subscriber goes on as without the option.
+  with nothing, and the subscriber goes on as without the option;
+- `max_message_size`: a frame larger than this (default `wire.MAX_BATCH_BYTES`, 64 MiB, over
+  the largest legitimate batch) cuts that connection before it is read; the subscriber
+  connects again, and what it missed is replayed or reported lost;
+- `curve`: the publisher's public key and this subscriber's key pair (`stream/curve.py`), for
+  a publisher with `curve_secret_key_file`; without them such a publisher says nothing.
 
 The handshake. Whenever a connection to a publisher comes up (the first time, and after every
 reconnect) the subscriber asks that publisher's replay socket for everything after the last
@@ -46,6 +51,7 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from kvconnect.events import EventDecodeError, KVEventBatch, decode_batch
+from kvconnect.stream.curve import CurveClientKeys
 from kvconnect.stream.wire import END_SEQ, MAX_BATCH_BYTES, SNAPSHOT_REQUEST, PublisherStatus
 
 logger = logging.getLogger(__name__)
@@ -167,6 +173,7 @@ class KVEventSubscriber:
         replay_timeout: float = 2.0,
         hwm: int = 100_000,
         max_message_size: int = MAX_BATCH_BYTES,
+        curve: CurveClientKeys | None = None,
         context: zmq.Context[Any] | None = None,
     ) -> None:
         self.endpoints = [endpoint] if isinstance(endpoint, str) else list(endpoint)
@@ -181,6 +188,7 @@ class KVEventSubscriber:
         if max_message_size < 1:
             raise ValueError(f"max_message_size must be >= 1, got {max_message_size}")
         self._max_message_size = max_message_size
+        self._curve = curve
         self._snapshots = snapshots
         self._replay_timeout = replay_timeout
         self._bind = bind
@@ -213,6 +221,8 @@ class KVEventSubscriber:
         sub = self._ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.RCVHWM, hwm)
         sub.setsockopt(zmq.MAXMSGSIZE, self._max_message_size)
+        if self._curve is not None:
+            self._curve.apply(sub)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.SUBSCRIBE, self._topic)
         # Connected, each connection that comes up is one publisher: watch for it.
@@ -522,6 +532,8 @@ class KVEventSubscriber:
             sock = self._dealers[endpoint] = self._ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.MAXMSGSIZE, self._max_message_size)
+            if self._curve is not None:
+                self._curve.apply(sock)
             sock.connect(endpoint)
         answer = _ReplayAnswer([], None, False)
         try:

@@ -7,10 +7,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
 import zmq
+import zmq.auth
 from zmq.utils.monitor import recv_monitor_message
 
+from kvconnect.config import KVEventsConfig
 from kvconnect.events import encode_batch
+from kvconnect.stream.curve import CurveClientKeys
 from kvconnect.stream.publisher import ZmqEventPublisher
 from kvconnect.stream.subscriber import KVEventSubscriber
 from kvconnect.stream.wire import MAX_REQUEST_BYTES
@@ -18,7 +22,9 @@ from tests.helpers import make_batch, take, tcp_pair
 
 PUBLISHER = """
 import sys
+from kvconnect.config import KVEventsConfig
 from kvconnect.events import encode_batch
+from kvconnect.stream.curve import CurveClientKeys
 from kvconnect.stream.publisher import ZmqEventPublisher
 from tests.helpers import make_batch
 pub = ZmqEventPublisher.open(bind=True, endpoint=sys.argv[1], replay_endpoint=sys.argv[2])
@@ -144,3 +150,103 @@ def test_a_batch_over_the_subscribers_limit_cuts_that_connection_and_it_comes_ba
     finally:
         xpub.close(linger=0)
         ctx.destroy(linger=0)
+
+
+@pytest.fixture
+def keys(tmp_path: Path) -> dict[str, str]:
+    """Certificates as the documented one-liner writes them: server, client, and an intruder
+    pair that is not the server's."""
+    out = {}
+    for name in ("server", "client", "other"):
+        public, secret = zmq.auth.create_certificates(tmp_path, name)
+        out[name], out[name + "_secret"] = str(public), str(secret)
+    return out
+
+
+def plain_peer_is_refused(ctx: zmq.Context[Any], kind: int, endpoint: str, **opts: bytes) -> None:
+    """A socket without the right keys connects, its handshake fails (an event, not a wait),
+    and nothing arrives: the publisher's other subscriber meanwhile gets its batch."""
+    sock = ctx.socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    for name, value in opts.items():
+        sock.setsockopt(getattr(zmq, name), value)
+    failed = (
+        zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+        | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+        | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+        | zmq.EVENT_DISCONNECTED
+    )
+    monitor = sock.get_monitor_socket(failed | zmq.EVENT_HANDSHAKE_SUCCEEDED)
+    try:
+        if kind == zmq.SUB:
+            sock.setsockopt(zmq.SUBSCRIBE, b"")
+        sock.connect(endpoint)
+        if kind == zmq.DEALER:
+            sock.send_multipart([b"", (0).to_bytes(8, "big")])
+        assert monitor.poll(10_000), "no handshake outcome"
+        assert recv_monitor_message(monitor)["event"] & failed
+        assert not sock.poll(0)
+    finally:
+        sock.disable_monitor()
+        monitor.close(linger=0)
+        sock.close(linger=0)
+
+
+def test_with_curve_only_the_key_holder_hears_the_stream(keys: dict[str, str]) -> None:
+    ep, rp = tcp_pair()
+    ctx: zmq.Context[Any] = zmq.Context()
+    pub = ZmqEventPublisher.open(
+        bind=True,
+        endpoint=ep,
+        replay_endpoint=rp,
+        curve_secret_key_file=keys["server_secret"],
+        context=ctx,
+    )
+    try:
+        for i in range(3):
+            pub.publish(make_batch(i))
+        for kind, endpoint in ((zmq.SUB, ep), (zmq.DEALER, rp)):
+            plain_peer_is_refused(ctx, kind, endpoint)  # no CURVE at all
+            plain_peer_is_refused(  # CURVE, but with another server's public key
+                ctx,
+                kind,
+                endpoint,
+                CURVE_SERVERKEY=zmq.auth.load_certificate(keys["other"])[0],
+                CURVE_PUBLICKEY=zmq.auth.load_certificate(keys["client"])[0],
+                CURVE_SECRETKEY=zmq.auth.load_certificate(keys["client_secret"])[1] or b"",
+            )
+        curve = CurveClientKeys.from_files(keys["server"], keys["client_secret"])
+        with KVEventSubscriber(ep, rp, start_seq=0, curve=curve, context=ctx) as sub:
+            items = take(sub, 3)  # replayed through the encrypted ROUTER
+            assert pub.wait_for_subscriber()
+            pub.publish(make_batch(3))
+            items += take(sub, 1)  # live through the encrypted XPUB
+        assert [getattr(item, "seq", None) for item in items] == [0, 1, 2, 3]
+        assert sub.num_replay_failures == 0
+    finally:
+        pub.shutdown()
+        ctx.destroy(linger=0)
+
+
+def test_bad_key_files_are_clear_errors(keys: dict[str, str], tmp_path: Path) -> None:
+    garbage = tmp_path / "garbage.key_secret"
+    garbage.write_text('metadata\ncurve\n    public-key = "short"\n')
+    mismatched = tmp_path / "mixed.key_secret"
+    server = Path(keys["server_secret"]).read_text()
+    other_secret = zmq.auth.load_certificate(keys["other_secret"])[1] or b""
+    secret_line = next(line for line in server.splitlines() if "secret-key" in line)
+    mismatched.write_text(
+        server.replace(secret_line, f'    secret-key = "{other_secret.decode()}"')
+    )
+    for path, why in (
+        (tmp_path / "missing", "no such key file"),
+        (garbage, "not 40 Z85 characters"),
+        (Path(keys["server"]), "holds no secret key"),
+        (mismatched, "does not belong to its public key"),
+    ):
+        with pytest.raises(ValueError, match=f"curve_secret_key_file=.*{why}"):
+            ZmqEventPublisher.open(endpoint="tcp://127.0.0.1:0", curve_secret_key_file=str(path))
+    with pytest.raises(ValueError, match="holds no secret key"):
+        CurveClientKeys.from_files(keys["server"], keys["client"])
+    with pytest.raises(ValueError, match="must be a file path or null"):
+        KVEventsConfig(curve_secret_key_file="")
