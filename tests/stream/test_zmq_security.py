@@ -2,6 +2,8 @@
 the sender's connection before anything is allocated for it, and with CURVE keys only a
 subscriber that holds the right ones hears anything."""
 
+import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +14,7 @@ import zmq
 import zmq.auth
 from zmq.utils.monitor import recv_monitor_message
 
+from kvconnect.commands.events import CURVE_CLIENT_KEY_ENV, CURVE_SERVER_KEY_ENV, curve_from_env
 from kvconnect.config import KVEventsConfig
 from kvconnect.events import encode_batch
 from kvconnect.stream.curve import CurveClientKeys
@@ -22,6 +25,7 @@ from tests.helpers import make_batch, take, tcp_pair
 
 PUBLISHER = """
 import sys
+from kvconnect.commands.events import CURVE_CLIENT_KEY_ENV, CURVE_SERVER_KEY_ENV, curve_from_env
 from kvconnect.config import KVEventsConfig
 from kvconnect.events import encode_batch
 from kvconnect.stream.curve import CurveClientKeys
@@ -250,3 +254,36 @@ def test_bad_key_files_are_clear_errors(keys: dict[str, str], tmp_path: Path) ->
         CurveClientKeys.from_files(keys["server"], keys["client"])
     with pytest.raises(ValueError, match="must be a file path or null"):
         KVEventsConfig(curve_secret_key_file="")
+
+
+def test_events_tail_reads_a_curve_stream_with_the_keys_from_its_environment(
+    keys: dict[str, str],
+) -> None:
+    ep, rp = tcp_pair()
+    pub = ZmqEventPublisher.open(
+        bind=True, endpoint=ep, replay_endpoint=rp, curve_secret_key_file=keys["server_secret"]
+    )
+    env = {
+        **os.environ,
+        CURVE_SERVER_KEY_ENV: keys["server"],
+        CURVE_CLIENT_KEY_ENV: keys["client_secret"],
+    }
+    cmd = [sys.executable, "-m", "kvconnect.cli", "events", "tail", "--endpoint", ep]
+    proc = subprocess.Popen(
+        [*cmd, "--replay", rp, "--from-seq", "0", "--json"],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        for i in range(3):
+            pub.publish(make_batch(i))
+        assert proc.stdout is not None
+        assert [json.loads(proc.stdout.readline())["seq"] for _ in range(3)] == [0, 1, 2]
+    finally:
+        proc.kill()
+        proc.wait()
+        pub.shutdown()
+    assert curve_from_env({}) is None
+    with pytest.raises(ValueError, match="set both"):
+        curve_from_env({CURVE_SERVER_KEY_ENV: keys["server"]})
