@@ -297,6 +297,11 @@ class ZmqEventPublisher(EventPublisher):
     def num_replay_sessions_dropped(self) -> int:
         return self._replay.num_sessions_dropped if self._replay is not None else 0
 
+    @property
+    def num_replay_clients_blocked(self) -> int:
+        """Replay clients whose queue is full (they read slower than sent, or not at all)."""
+        return self._replay.num_blocked if self._replay is not None else 0
+
     def wait_for_subscriber(self, timeout: float = 10.0, num_subscriptions: int = 1) -> bool:
         """Block until `num_subscriptions` subscriptions have reached the live socket (so the
         next `publish()` goes to those subscribers); False after `timeout` seconds."""

@@ -20,7 +20,8 @@ client replaces its answer but keeps its record (progress, blocked, backoff): as
 does not make a client look fresh. At MAX_REPLAY_SESSIONS a new client replaces the session
 blocked the longest (for REPLAY_EVICTABLE_S at least), else it waits in a bounded FIFO: a
 client that reads is never pushed out by newcomers. Memory stays within the ring, one shared
-copy of the snapshot per seq, and per client its queue.
+copy of the snapshot per seq, and per client its queue (batches over REPLAY_COPY_THRESHOLD
+are queued zero-copy: the ring's own bytes).
 
 Snapshots: a snapshot request is answered with every block the stream says is held, per medium,
 as BlockStored events in batches that all carry the seq they are current at (the fence). A
@@ -36,6 +37,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from queue import Empty, SimpleQueue
 from typing import Any, NamedTuple
 
@@ -57,6 +59,10 @@ REPLAY_CLIENT_HWM = 64
 """Messages queued per replay client before its sends fail (it is blocked, and skipped)."""
 REPLAY_CLIENT_SNDBUF = 1 << 16
 """Kernel send buffer per replay connection, bytes."""
+REPLAY_COPY_THRESHOLD = 4096
+"""Frames up to this size are copied into the client's queue; larger ones are sent zero-copy,
+sharing the ring's bytes, so what waits for clients that do not read is at most
+REPLAY_CLIENT_HWM x this per client, whatever the batch size."""
 REPLAY_STALL_S = 10.0
 """A session with no send accepted for this long is dropped."""
 REPLAY_BACKOFF_S = (0.002, 0.5)
@@ -152,6 +158,7 @@ def open_replay_socket(ctx: zmq.Context[zmq.Socket[bytes]]) -> zmq.Socket[bytes]
     sock.setsockopt(zmq.SNDBUF, REPLAY_CLIENT_SNDBUF)
     # A send to a full or departed client fails instead of being dropped silently.
     sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    sock.copy_threshold = REPLAY_COPY_THRESHOLD
     return sock
 
 
@@ -188,6 +195,11 @@ class ReplayServer:
         """(seq, the snapshot's messages as of it)."""
         self._thread = threading.Thread(target=self._loop, name="kv-events-replay", daemon=True)
         self._thread.start()
+
+    @property
+    def num_blocked(self) -> int:
+        """Sessions whose client's queue is full, as of the last round (any thread)."""
+        return len(self._blocked)
 
     def observe(self, seq: int, batch: KVEventBatch) -> None:
         """A batch was published as `seq` (any thread; the state is updated on this one)."""
@@ -349,14 +361,14 @@ class ReplayServer:
 
     def _serve_slice(self, session: _Session, limit: int) -> _Slice:
         """Send up to `limit` messages of `session`'s answer, non-blocking."""
-        sock, ident, topic, sent = self._sock, session.identity, self._topic, 0
-        flags = zmq.NOBLOCK
+        ident, topic, sent = session.identity, self._topic, 0
+        send, flags = partial(self._sock.send_multipart, copy=False), zmq.NOBLOCK
         try:
             if session.parts is not None:
                 parts = session.parts
                 while parts and sent < limit:
                     seq_bytes, payload = parts[0]
-                    sock.send_multipart((ident, b"", topic, seq_bytes, payload), flags)
+                    send((ident, b"", topic, seq_bytes, payload), flags)
                     parts.popleft()
                     sent += 1
                 if parts:
@@ -366,13 +378,13 @@ class ReplayServer:
                 # Batches the ring dropped meanwhile are skipped: the client sees the gap.
                 session.next_seq = max(session.next_seq, first)
                 for seq, seq_bytes, payload in entries:
-                    sock.send_multipart((ident, b"", topic, seq_bytes, payload), flags)
+                    send((ident, b"", topic, seq_bytes, payload), flags)
                     session.next_seq = seq + 1
                     sent += 1
                 if session.next_seq < session.end_seq and entries:
                     return _Slice(sent, False, False)
             # The next seq as of the request: every batch before it was in this answer or live.
-            sock.send_multipart((ident, b"", session.status, END_SEQ, b""), flags)
+            send((ident, b"", session.status, END_SEQ, b""), flags)
             return _Slice(sent, True, False)
         except zmq.Again:
             return _Slice(sent, False, True)
