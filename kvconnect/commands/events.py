@@ -177,13 +177,14 @@ def run_demo(port: int, num_batches: int, out: TextIO) -> int:
 
 
 CURVE_SERVER_KEY_ENV = "KVCONNECT_EVENTS_CURVE_SERVER_KEY"
-"""`tail`: the publisher's public key file (`server.key`), for a stream with CURVE on."""
+"""`tail`, `router`: the publishers' public key file (`server.key`), for streams with CURVE on."""
 CURVE_CLIENT_KEY_ENV = "KVCONNECT_EVENTS_CURVE_CLIENT_KEY"
-"""`tail`: this client's secret key file (`client.key_secret`), with the one above."""
+"""`tail`, `router`: this client's secret key file (`client.key_secret`), with the one above."""
 
 
 def curve_from_env(env: Mapping[str, str]) -> CurveClientKeys | None:
-    """The CURVE keys `tail` reads a locked-down stream with: both variables or neither."""
+    """The CURVE keys `tail` and `router` read locked-down streams with: both variables or
+    neither."""
     server, client = env.get(CURVE_SERVER_KEY_ENV), env.get(CURVE_CLIENT_KEY_ENV)
     if not server and not client:
         return None
