@@ -7,12 +7,15 @@ gives that its meaning here:
     unit of work   the tests of a module that share a module-scoped fixture (a `kvconnect
                    serve` cluster, a loaded model) are one, run by one worker, so the fixture is
                    set up once; an `xdist_group` mark makes one too; any other test is its own
-    order          units marked `solo` first, then those of modules with slow or fault tests
-                   (processes, models), then the rest: what is left for the end is short, so
-                   the workers finish together
+    order          units marked `alone` or `solo` first, then those of modules with slow or
+                   fault tests (processes, models), then the rest: what is left for the end is
+                   short, so the workers finish together
     solo           while a unit marked `solo` runs on one worker, the others run only tests
                    of the rest (no processes, no models): its deadlines time the processes
                    under test, not a machine that is busy with others
+    alone          a unit marked `alone` runs with every other worker idle: it keeps both
+                   cores busy itself, and tests beside it (even ones that start no process)
+                   would time a starved machine
 
 The units are decided where fixtures are known, on the workers at collection, and reach the
 scheduler (in the controlling process) through a file: xdist 3.8's own loadgroup marks its
@@ -60,12 +63,15 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         return
     heavy = {_module(item) for item in items if _heavy(item)}
     solo = {_module(item) for item in items if item.get_closest_marker("solo")}
+    alone = {_module(item) for item in items if item.get_closest_marker("alone")}
+    first = solo | alone
     # Stable: each module stays in one piece and in its own order.
-    items.sort(key=lambda item: 0 if _module(item) in solo else 1 if _module(item) in heavy else 2)
+    items.sort(key=lambda item: 0 if _module(item) in first else 1 if _module(item) in heavy else 2)
     plan = {
         "units": {item.nodeid: unit for item in items if (unit := _unit(item)) is not None},
         "heavy": [item.nodeid for item in items if _module(item) in heavy],
         "solo": [item.nodeid for item in items if _module(item) in solo],
+        "alone": [item.nodeid for item in items if _module(item) in alone],
     }
     if UNITS_DIR in os.environ:
         path = Path(os.environ[UNITS_DIR]) / f"{worker}.json"
@@ -110,6 +116,7 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
         plan: dict[str, Any] | None = None
         heavy: set[str] = set()
         solo: set[str] = set()
+        alone: set[str] = set()
 
         def schedule(self) -> None:
             if self.collection is None:  # the first call: every worker has collected
@@ -118,6 +125,7 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
                     self.plan = json.loads(found[0].read_text())
                     self.heavy = {self._split_scope(n) for n in self.plan["heavy"]}
                     self.solo = {self._split_scope(n) for n in self.plan["solo"]}
+                    self.alone = {self._split_scope(n) for n in self.plan["alone"]}
                 self.config.option.loadscopereorder = False
             super().schedule()
 
@@ -136,6 +144,10 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
                 for unit, done in work.items()
                 if not all(done.values())
             }
+            if others & self.alone:
+                return False
+            if scope in self.alone:
+                return not others
             if others & self.solo:
                 return scope not in self.heavy and scope not in self.solo
             if scope in self.solo:

@@ -57,9 +57,10 @@ def wait_until(condition: object, what: str, timeout: float = 60.0) -> None:
 
 
 # The flood's work is real (each client that reads nothing absorbs ~700 batches of socket
-# buffers first): seconds on two idle cores, far more on a crowded machine, so alone under xdist.
+# buffers first): seconds on two idle cores, far more on a crowded machine, so alone under xdist
+# (and nothing beside it: it keeps both cores busy, starving other tests' deadlines).
 @pytest.mark.slow
-@pytest.mark.solo
+@pytest.mark.alone
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("flood", ["before", "during"])
 def test_a_flood_of_non_reading_clients_neither_starves_nor_fakes_losses(flood: str) -> None:
