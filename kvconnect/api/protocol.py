@@ -7,8 +7,11 @@
 
 Every field is typed (no coercion: "4" and 4.5 are not a max_tokens) and bounded; a bad one is
 a 400 whose body is OpenAI's `{"error": {"message", "type", "param", "code"}}` naming it.
-Unknown fields are ignored, as OpenAI does; fields kvconnect does not implement (logprobs,
-penalties, tools, images...) are refused when set, never silently dropped. The prompt is
+Unknown fields are ignored, as OpenAI does; fields kvconnect does not implement (tools,
+structured output, images...) are refused when set, never silently dropped. Sampling controls
+and logprobs take vLLM's names and bounds (`logprobs` and `top_logprobs` up to vLLM's 20, not
+OpenAI's 5; `logit_bias` values clamped to [-100, 100]); the engine's `SamplingParams` checks
+them again, and the server names the request's field when it refuses one. The prompt is
 checked here for shape; its token ids against the model's vocabulary by the engine.
 
 Shared by `kvconnect serve` and `kvconnect router`, so this imports nothing of the engine.
@@ -38,6 +41,19 @@ N = Annotated[int, msgspec.Meta(ge=1, le=MAX_N)]
 Seed = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
 TokenId = Annotated[int, msgspec.Meta(ge=0, lt=2**31)]
 Stop = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+MAX_LOGPROBS = 20
+"""vLLM's default `max_logprobs`."""
+MAX_LOGIT_BIAS = 1 << 16
+MAX_BAD_WORDS = 1024
+NumLogprobs = Annotated[int, msgspec.Meta(ge=0, le=MAX_LOGPROBS)]
+Penalty = Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)]
+RepetitionPenalty = Annotated[float, msgspec.Meta(gt=0.0)]
+MinP = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
+MinTokens = Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKENS_LIMIT)]
+LogitBias = Annotated[dict[str, float], msgspec.Meta(max_length=MAX_LOGIT_BIAS)]
+BadWord = Annotated[str, msgspec.Meta(min_length=1, max_length=1024)]
+BIAS_LIMIT = 100.0
+"""OpenAI's range of a logit_bias value; vLLM clamps to it rather than refusing."""
 
 
 class ApiError(Exception):
@@ -103,22 +119,38 @@ class _Sampling(_Request, kw_only=True):
     """vLLM's extension: each choice carries its generated `token_ids` and the prompt's
     `prompt_token_ids` (in a stream: the first chunk has the prompt's, each the delta's)."""
     user: str | None = None
-    # OpenAI fields kvconnect does not implement: allowed only at their neutral values.
-    logprobs: Any = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[str, Any] | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    logit_bias: LogitBias | None = None
+    """Token id (a decimal string, as OpenAI) -> bias added to its logit, clamped to
+    [-100, 100]."""
+    # vLLM's extensions
+    repetition_penalty: RepetitionPenalty | None = None
+    min_p: MinP | None = None
+    min_tokens: MinTokens = 0
+    bad_words: Annotated[list[BadWord], msgspec.Meta(max_length=MAX_BAD_WORDS)] | None = None
+    prompt_logprobs: NumLogprobs | None = None
+    """vLLM's: each prompt token's logprob (the first null) with this many alternatives; not
+    with stream (vLLM refuses them there too, unless 0)."""
 
     def check_unsupported(self) -> None:
-        if self.logprobs not in (None, False):
-            raise ApiError("logprobs are not supported", "logprobs")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                raise ApiError(f"{name} is not supported (only 0)", name)
-        if self.logit_bias:
-            raise ApiError("logit_bias is not supported", "logit_bias")
         if self.stream_options is not None and not self.stream:
             raise ApiError("stream_options is only allowed with stream: true", "stream_options")
+        if self.stream and self.prompt_logprobs:
+            raise ApiError("prompt_logprobs are not available with stream: true", "prompt_logprobs")
+        self.token_biases()
+
+    def token_biases(self) -> dict[int, float] | None:
+        """`logit_bias` with token ids for keys and values clamped, as vLLM reads it."""
+        if not self.logit_bias:
+            return None
+        bad = [k for k in self.logit_bias if not (k.isascii() and k.isdigit())]
+        if bad:
+            raise ApiError(
+                f"logit_bias: keys must be token ids (decimal strings), not {bad[:3]!r}",
+                "logit_bias",
+            )
+        return {int(k): min(BIAS_LIMIT, max(-BIAS_LIMIT, v)) for k, v in self.logit_bias.items()}
 
     @property
     def stops(self) -> tuple[str, ...]:
@@ -137,13 +169,14 @@ class CompletionRequest(_Sampling, kw_only=True):
     prompt: Any
     max_tokens: PositiveTokens = 16
     echo: bool = False
+    """The prompt before each choice's text (and its tokens' logprobs before the output's)."""
+    logprobs: NumLogprobs | None = None
+    """Each output token's logprob, with this many most likely alternatives."""
     best_of: int | None = None
     suffix: str | None = None
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
-        if self.echo:
-            raise ApiError("echo is not supported", "echo")
         if self.best_of is not None and self.best_of != self.n:
             raise ApiError("best_of other than n is not supported", "best_of")
         if self.suffix:
@@ -214,15 +247,17 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     max_tokens: PositiveTokens | None = None
     max_completion_tokens: PositiveTokens | None = None
     add_generation_prompt: bool = True
-    top_logprobs: int | None = None
+    logprobs: bool | None = False
+    top_logprobs: NumLogprobs | None = None
+    """With `logprobs`: this many most likely alternatives of each token."""
     tools: list[Any] | None = None
     tool_choice: Any = None
     response_format: dict[str, Any] | None = None
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
-        if self.top_logprobs is not None:
-            raise ApiError("logprobs are not supported", "top_logprobs")
+        if self.top_logprobs and not self.logprobs:
+            raise ApiError("top_logprobs needs logprobs: true", "top_logprobs")
         if self.tools:
             raise ApiError("tools are not supported", "tools")
         if self.tool_choice not in (None, "none"):
@@ -380,7 +415,7 @@ def _validated(decode: Callable[[], T]) -> T:
         return decode()
     except msgspec.ValidationError as e:
         found = _PARAM.search(str(e)) or _MISSING.search(str(e))
-        param = found.group(1) if found else None
+        param = found.group(1).removesuffix("[...]") if found else None
         message = str(e).replace("`$.", "`").replace("`$`", "the body")
         raise ApiError(f"invalid request: {message}", param or None) from None
     except msgspec.DecodeError as e:
