@@ -1,0 +1,231 @@
+"""Logprobs through the OpenAI Python client, against `kvconnect serve` and the router in front:
+completions' `logprobs`, `echo` and vLLM's `prompt_logprobs`, chat's `logprobs` +
+`top_logprobs`, whole and streamed, each value the engine's own (an `LLM` on the same seeded
+weights in this process; the engine's values are checked against transformers in
+tests/engine/test_llm_sampling.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import openai
+import pytest
+from openai.types import Completion
+
+from kvconnect import LLM, SamplingParams
+from kvconnect.messages import PositionLogprobs
+from kvconnect.tokenizer import ByteTokenizer
+from tests.serving import RouterProcess, Serve, post
+
+pytestmark = pytest.mark.slow
+
+PROMPT = "Hello there"
+GREEDY: dict[str, Any] = {"model": "tiny", "temperature": 0, "extra_body": {"ignore_eos": True}}
+TOK = ByteTokenizer()
+
+
+def text_of(token_id: int) -> str:
+    """A token's text as vLLM shows it in logprobs: decoded alone."""
+    return TOK.decode([token_id])
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Serve, RouterProcess]]:
+    tmp = tmp_path_factory.mktemp("logprobs")
+    server = Serve(tmp)
+    server.start()
+    router = RouterProcess(tmp, [server])
+    try:
+        router.start()
+        yield server, router
+    finally:
+        router.stop()
+        assert server.stop() == 0, server.logs()
+
+
+@pytest.fixture(scope="module")
+def engine() -> Iterator[LLM]:
+    with LLM("tiny") as llm:
+        yield llm
+
+
+@pytest.fixture(params=["serve", "router"])
+def client(request: pytest.FixtureRequest, served: tuple[Serve, RouterProcess]) -> openai.OpenAI:
+    target = served[0] if request.param == "serve" else served[1]
+    return openai.OpenAI(base_url=target.url + "/v1", api_key="unused", max_retries=0)
+
+
+def reference(
+    engine: LLM,
+    prompt: str | list[int],
+    max_tokens: int,
+    logprobs: int,
+    prompt_logprobs: int | None = None,
+) -> tuple[list[int], list[PositionLogprobs], list[PositionLogprobs | None] | None]:
+    """The engine's greedy tokens, their logprobs and the prompt's."""
+    params = SamplingParams(
+        max_tokens=max_tokens,
+        ignore_eos=True,
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
+    )
+    out = engine.generate(prompt, params)[0]
+    choice = out.outputs[0]
+    assert choice.logprobs is not None
+    return choice.token_ids, choice.logprobs, out.prompt_logprobs
+
+
+def expected_top(p: PositionLogprobs) -> dict[str, float]:
+    """vLLM's completion top_logprobs of a position: its token first, then the top ones, each
+    id once, keyed by text (a later id with the same text overwrites the value, as in vLLM)."""
+    by_id = {p.token_id: p.logprob}
+    for t, lp in zip(p.top_token_ids, p.top_logprobs, strict=True):
+        by_id.setdefault(t, lp)
+    return {text_of(t): lp for t, lp in by_id.items()}
+
+
+def assert_completion_logprobs(
+    got: Any, positions: list[PositionLogprobs | None], token_ids: list[int]
+) -> None:
+    assert got.tokens == [text_of(t) for t in token_ids]
+    offsets = [0]
+    for token in got.tokens[:-1]:
+        offsets.append(offsets[-1] + len(token))
+    assert got.text_offset == offsets
+    for p, lp, top in zip(positions, got.token_logprobs, got.top_logprobs, strict=True):
+        if p is None:
+            assert lp is None and top is None
+            continue
+        assert lp == pytest.approx(p.logprob, abs=1e-4)
+        assert top.keys() == expected_top(p).keys()
+        assert list(top.values()) == pytest.approx(list(expected_top(p).values()), abs=1e-4)
+
+
+def test_completion_logprobs_are_the_engines_and_greedy_picks_rank_one(
+    client: openai.OpenAI, engine: LLM
+) -> None:
+    token_ids, positions, _ = reference(engine, PROMPT, 6, 3)
+    choice = client.completions.create(prompt=PROMPT, max_tokens=6, logprobs=3, **GREEDY).choices[0]
+    assert choice.logprobs is not None
+    assert_completion_logprobs(choice.logprobs, list(positions), token_ids)
+    for p, lp, top in zip(
+        positions,
+        choice.logprobs.token_logprobs or [],
+        choice.logprobs.top_logprobs or [],
+        strict=True,
+    ):
+        # Greedy: the most likely. (Not `==`: the byte model's tokens 128-255 all read "\ufffd",
+        # and a later one of them overwrites the value under that key, as in vLLM.)
+        assert p.rank == 1 and lp is not None and lp >= max(top.values())
+    assert choice.text == TOK.decode(token_ids)
+    assert "prompt_logprobs" not in (choice.model_extra or {})
+
+
+def test_streamed_completion_logprobs_join_to_the_whole_ones(client: openai.OpenAI) -> None:
+    whole = client.completions.create(prompt=PROMPT, max_tokens=7, logprobs=2, **GREEDY)
+    chunks = list(
+        client.completions.create(prompt=PROMPT, max_tokens=7, logprobs=2, stream=True, **GREEDY)
+    )
+    parts = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+    joined = {
+        key: [x for part in parts for x in getattr(part, key) or ()]
+        for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset")
+    }
+    assert whole.choices[0].logprobs is not None
+    assert joined == whole.choices[0].logprobs.model_dump()
+    assert len(joined["tokens"]) == 7
+
+
+def test_echo_puts_the_prompt_first_and_its_logprobs_start_with_null(
+    client: openai.OpenAI, engine: LLM
+) -> None:
+    plain = client.completions.create(prompt=PROMPT, max_tokens=4, **GREEDY).choices[0]
+    echoed = client.completions.create(prompt=PROMPT, max_tokens=4, echo=True, **GREEDY)
+    assert echoed.choices[0].text == PROMPT + plain.text
+    assert echoed.choices[0].logprobs is None
+    token_ids, positions, prompt_positions = reference(engine, PROMPT, 4, 1, prompt_logprobs=1)
+    assert prompt_positions is not None and prompt_positions[0] is None
+    prompt_ids = TOK.encode(PROMPT)
+    for stream in (False, True):
+        got = client.completions.create(
+            prompt=PROMPT, max_tokens=4, echo=True, logprobs=1, stream=stream, **GREEDY
+        )
+        chunks = [got] if isinstance(got, Completion) else list(got)
+        text = "".join(c.choices[0].text for c in chunks)
+        assert text == PROMPT + plain.text
+        merged = chunks[0].choices[0].logprobs
+        for c in chunks[1:]:
+            for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+                getattr(merged, key).extend(getattr(c.choices[0].logprobs, key))
+        assert_completion_logprobs(
+            merged, [*prompt_positions, *positions], [*prompt_ids, *token_ids]
+        )
+
+
+def test_prompt_logprobs_are_vllms_dicts_and_not_streamed(
+    client: openai.OpenAI, engine: LLM
+) -> None:
+    _, _, prompt_positions = reference(engine, PROMPT, 2, 0, prompt_logprobs=2)
+    choice = client.completions.create(
+        model="tiny",
+        prompt=PROMPT,
+        max_tokens=2,
+        extra_body={"prompt_logprobs": 2, "ignore_eos": True},
+    ).choices[0]
+    assert choice.logprobs is None  # asked for the prompt's only
+    got = (choice.model_extra or {})["prompt_logprobs"]
+    assert prompt_positions is not None and len(got) == len(PROMPT) and got[0] is None
+    for p, entry in zip(prompt_positions[1:], got[1:], strict=True):
+        assert p is not None
+        ids = [p.token_id, *(t for t in p.top_token_ids if t != p.token_id)]
+        assert list(entry) == [str(t) for t in ids]
+        mine = entry[str(p.token_id)]
+        assert mine["rank"] == p.rank and mine["decoded_token"] == text_of(p.token_id)
+        assert mine["logprob"] == pytest.approx(p.logprob, abs=1e-4)
+        ranks = [entry[str(t)]["rank"] for t in p.top_token_ids if t != p.token_id]
+        assert ranks == [r for r, t in enumerate(p.top_token_ids, 1) if t != p.token_id]
+    with pytest.raises(openai.BadRequestError) as streamed:
+        client.completions.create(
+            model="tiny", prompt=PROMPT, stream=True, extra_body={"prompt_logprobs": 1}
+        )
+    assert streamed.value.param == "prompt_logprobs"
+
+
+MESSAGES: Any = [{"role": "user", "content": "Say something."}]
+
+
+def test_chat_logprobs_whole_and_per_delta(
+    client: openai.OpenAI, engine: LLM, served: tuple[Serve, RouterProcess]
+) -> None:
+    reply = client.chat.completions.create(
+        messages=MESSAGES, max_tokens=5, logprobs=True, top_logprobs=3, **GREEDY
+    )
+    content = reply.choices[0].logprobs and reply.choices[0].logprobs.content
+    assert content is not None and len(content) == 5
+    _, rendered, _ = post(served[0].url + "/tokenize", {"messages": MESSAGES})
+    _, positions, _ = reference(engine, rendered["tokens"], 5, 3)
+    for item, p in zip(content, positions, strict=True):
+        assert item.token == text_of(p.token_id) and item.bytes == list(item.token.encode())
+        assert item.logprob == pytest.approx(p.logprob, abs=1e-4)
+        assert [t.token for t in item.top_logprobs] == [text_of(t) for t in p.top_token_ids]
+        assert [t.logprob for t in item.top_logprobs] == pytest.approx(p.top_logprobs, abs=1e-4)
+        assert item.top_logprobs[0].token == item.token and p.rank == 1  # greedy: the top
+    assert "".join(item.token for item in content) == reply.choices[0].message.content
+    stream = list(
+        client.chat.completions.create(
+            messages=MESSAGES, max_tokens=5, logprobs=True, top_logprobs=3, stream=True, **GREEDY
+        )
+    )
+    streamed = [
+        item
+        for c in stream
+        if c.choices[0].logprobs
+        for item in c.choices[0].logprobs.content or ()
+    ]
+    assert [i.model_dump() for i in streamed] == [i.model_dump() for i in content]
+    bare = client.chat.completions.create(messages=MESSAGES, max_tokens=2, logprobs=True, **GREEDY)
+    bare_content = bare.choices[0].logprobs and bare.choices[0].logprobs.content
+    assert bare_content and all(item.top_logprobs == [] for item in bare_content)
+    plain = client.chat.completions.create(messages=MESSAGES, max_tokens=2, **GREEDY)
+    assert plain.choices[0].logprobs is None
