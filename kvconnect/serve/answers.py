@@ -6,8 +6,8 @@
 Both build each choice with a `ChoiceView`, update by update (a whole answer is its updates
 joined into one): with `echo` the first carries the prompt's text, token ids and logprobs
 before the output's; a completion's `text_offset` runs on across chunks. A stream sends a
-chunk when an update has text or tokens whose logprobs were asked for, for the first and for
-the last; a failure is sent as the stream's last chunk before [DONE].
+chunk when an update has text or tokens whose logprobs or ids were asked for, for the first and
+for the last; a failure is sent as the stream's last chunk before [DONE].
 """
 
 from __future__ import annotations
@@ -204,8 +204,11 @@ class Answer:
         return [r for r in finals if r is not None]
 
     def _worth_a_chunk(self, update: Update, started: bool) -> bool:
-        with_logprobs = self.shown.logprobs is not None and bool(update.token_ids)
-        return bool(update.text) or with_logprobs or not started or update.request is not None
+        """Text, tokens the client sees (their logprobs or ids: held-back text still sends
+        them, as vLLM does), the first and the last."""
+        shows_tokens = self.shown.logprobs is not None or self.shown.return_token_ids
+        with_tokens = shows_tokens and bool(update.token_ids)
+        return bool(update.text) or with_tokens or not started or update.request is not None
 
     def _chunk(self, index: int, update: Update, first: bool) -> bytes:
         text, logprobs = self.views[index].logprobs(update)
