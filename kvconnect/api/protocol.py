@@ -47,7 +47,9 @@ MAX_LOGIT_BIAS = 1 << 16
 MAX_BAD_WORDS = 1024
 NumLogprobs = Annotated[int, msgspec.Meta(ge=0, le=MAX_LOGPROBS)]
 Penalty = Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)]
-RepetitionPenalty = Annotated[float, msgspec.Meta(gt=0.0)]
+FLOAT32_MAX = 3.4028234663852886e38
+RepetitionPenalty = Annotated[float, msgspec.Meta(gt=0.0, le=FLOAT32_MAX)]
+"""> 0 as vLLM, and within float32 (the sampler's logits): 1e300 is no stronger than 1e38."""
 MinP = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
 MinTokens = Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKENS_LIMIT)]
 LogitBias = Annotated[dict[str, float], msgspec.Meta(max_length=MAX_LOGIT_BIAS)]

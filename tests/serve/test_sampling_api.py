@@ -133,6 +133,14 @@ def test_min_p_one_leaves_only_the_most_likely_token(client: openai.OpenAI) -> N
     )
 
 
+def test_the_largest_seed_samples_and_repeats_itself(client: openai.OpenAI) -> None:
+    # seed * stride + step once overflowed the worker's generator: the instance died.
+    top = 2**63 - 1
+    first = tokens(client, max_tokens=6, temperature=1.0, seed=top, extra_body={"n": 2})
+    assert first == tokens(client, max_tokens=6, temperature=1.0, seed=top, extra_body={"n": 2})
+    assert first != tokens(client, max_tokens=6, temperature=1.0, seed=top - 1)
+
+
 def test_bad_words_are_never_generated(client: openai.OpenAI) -> None:
     plain = tokens(client, max_tokens=8)
     word = chr(plain[1])  # an ASCII byte of the greedy output (the first is not)
