@@ -229,3 +229,20 @@ def test_chat_logprobs_whole_and_per_delta(
     assert bare_content and all(item.top_logprobs == [] for item in bare_content)
     plain = client.chat.completions.create(messages=MESSAGES, max_tokens=2, **GREEDY)
     assert plain.choices[0].logprobs is None
+
+
+def test_chat_prompt_logprobs_are_the_answers_own(
+    client: openai.OpenAI, engine: LLM, served: tuple[Serve, RouterProcess]
+) -> None:
+    _, rendered, _ = post(served[0].url + "/tokenize", {"messages": MESSAGES})
+    _, _, positions = reference(engine, rendered["tokens"], 1, 0, prompt_logprobs=1)
+    reply = client.chat.completions.create(
+        model="tiny", messages=MESSAGES, max_tokens=1, extra_body={"prompt_logprobs": 1}
+    )
+    got = (reply.model_extra or {})["prompt_logprobs"]
+    assert positions is not None and len(got) == len(rendered["tokens"]) and got[0] is None
+    for p, entry in zip(positions[1:], got[1:], strict=True):
+        assert p is not None
+        assert entry[str(p.token_id)]["logprob"] == pytest.approx(p.logprob, abs=1e-4)
+        assert entry[str(p.token_id)]["rank"] == p.rank
+    assert reply.choices[0].logprobs is None
