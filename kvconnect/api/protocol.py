@@ -169,7 +169,8 @@ class CompletionRequest(_Sampling, kw_only=True):
     """POST /v1/completions."""
 
     prompt: Any
-    max_tokens: PositiveTokens = 16
+    max_tokens: Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKENS_LIMIT)] = 16
+    """0 only with echo (vLLM's): the answer is the prompt alone (scoring it by its logprobs)."""
     echo: bool = False
     """The prompt before each choice's text (and its tokens' logprobs before the output's)."""
     logprobs: NumLogprobs | None = None
@@ -179,6 +180,8 @@ class CompletionRequest(_Sampling, kw_only=True):
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
+        if self.max_tokens == 0 and not self.echo:
+            raise ApiError("max_tokens must be at least 1 (0 only with echo)", "max_tokens")
         if self.best_of is not None and self.best_of != self.n:
             raise ApiError("best_of other than n is not supported", "best_of")
         if self.suffix:

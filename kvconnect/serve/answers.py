@@ -41,6 +41,8 @@ class Shown:
     logprobs: int | None = None
     """Alternatives per output token; None: no logprobs."""
     echo: bool = False
+    echo_only: bool = False
+    """The prompt alone, not the output (echo with max_tokens 0)."""
     prompt_logprobs: bool = False
     """vLLM's `prompt_logprobs` in a whole answer (asked for, or computed for echo)."""
     return_token_ids: bool = False
@@ -64,6 +66,8 @@ class ChoiceView:
         """The text and `logprobs` this update adds to the choice."""
         text, token_ids = update.text, update.token_ids
         positions: list[PositionLogprobs | None] = list(update.logprobs or ())
+        if self.shown.echo_only:
+            text, token_ids, positions = "", [], []
         if self.shown.echo and not self.echoed:
             self.echoed = True
             prompt = self.job.prompt

@@ -86,7 +86,7 @@ def _max_tokens(req: GenerateRequest, max_model_len: int, num_prompt: int) -> in
     if isinstance(req, ChatCompletionRequest):
         given = req.completion_tokens
         return given if given is not None else max(1, max_model_len - num_prompt)
-    return req.max_tokens
+    return req.max_tokens or 1  # echo alone (0): one token is run and not shown, as in vLLM
 
 
 def num_logprobs(req: GenerateRequest) -> int | None:

@@ -174,6 +174,7 @@ class OpenAIServer:
         shown = Shown(
             logprobs=num_logprobs(req),
             echo=isinstance(req, CompletionRequest) and req.echo,
+            echo_only=isinstance(req, CompletionRequest) and req.max_tokens == 0,
             prompt_logprobs=num_prompt_logprobs(req) is not None,
             return_token_ids=req.return_token_ids,
             include_usage=req.include_usage,

@@ -246,3 +246,20 @@ def test_chat_prompt_logprobs_are_the_answers_own(
         assert entry[str(p.token_id)]["logprob"] == pytest.approx(p.logprob, abs=1e-4)
         assert entry[str(p.token_id)]["rank"] == p.rank
     assert reply.choices[0].logprobs is None
+
+
+def test_echo_with_max_tokens_0_scores_the_prompt_alone(client: openai.OpenAI, engine: LLM) -> None:
+    _, _, prompt_positions = reference(engine, PROMPT, 1, 2, prompt_logprobs=2)
+    assert prompt_positions is not None
+    for stream in (False, True):
+        got = client.completions.create(
+            model="tiny", prompt=PROMPT, max_tokens=0, echo=True, logprobs=2, stream=stream
+        )
+        chunks = [got] if isinstance(got, Completion) else list(got)
+        assert "".join(c.choices[0].text for c in chunks) == PROMPT
+        logprobs = [c.choices[0].logprobs for c in chunks if c.choices[0].logprobs]
+        assert_completion_logprobs(logprobs[0], list(prompt_positions), TOK.encode(PROMPT))
+        assert all(not lp.tokens for lp in logprobs[1:])
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.completions.create(model="tiny", prompt=PROMPT, max_tokens=0)
+    assert bad.value.param == "max_tokens"
