@@ -26,9 +26,12 @@ from kvconnect.engine.request import Request
 from kvconnect.messages import PositionLogprobs
 from kvconnect.serve.engine_loop import Failed, Job, Update
 from kvconnect.serve.logprobs import (
+    CONTEXT,
     TokenText,
     chat_logprobs,
     completion_logprobs,
+    output_contexts,
+    prompt_contexts,
     prompt_logprobs,
 )
 from kvconnect.serve.prepare import Prepared
@@ -61,24 +64,29 @@ class ChoiceView:
     offset: int = 0
     """Where the next token's text starts in the choice's text (`text_offset`)."""
     echoed: bool = field(default=False, init=False)
+    output: list[int] = field(default_factory=list, init=False)
+    """The last output tokens so far: the next tokens' text context."""
 
     def logprobs(self, update: Update) -> tuple[str, dict[str, Any] | None]:
         """The text and `logprobs` this update adds to the choice."""
         text, token_ids = update.text, update.token_ids
         positions: list[PositionLogprobs | None] = list(update.logprobs or ())
+        contexts = output_contexts(self.output, token_ids)
+        self.output = [*self.output, *token_ids][-CONTEXT:]
         if self.shown.echo_only:
-            text, token_ids, positions = "", [], []
+            text, token_ids, positions, contexts = "", [], [], []
         if self.shown.echo and not self.echoed:
             self.echoed = True
             prompt = self.job.prompt
             text, token_ids = self.prompt_text + text, prompt + token_ids
             positions = list(update.prompt_logprobs or [None] * len(prompt)) + positions
+            contexts = prompt_contexts(prompt) + contexts
         if self.shown.logprobs is None:
             return text, None
         if self.envelope.chat:
             chosen = [p for p in positions if p is not None]
-            return text, chat_logprobs(chosen, self.shown.logprobs, self.text)
-        body = completion_logprobs(token_ids, positions, self.text, self.offset)
+            return text, chat_logprobs(chosen, contexts, self.shown.logprobs, self.text)
+        body = completion_logprobs(token_ids, positions, contexts, self.text, self.offset)
         if body["tokens"]:
             self.offset = body["text_offset"][-1] + len(body["tokens"][-1])
         return text, body
@@ -86,7 +94,7 @@ class ChoiceView:
     def prompt_logprobs(self, update: Update) -> list[Any] | None:
         if not self.shown.prompt_logprobs or update.prompt_logprobs is None:
             return None
-        return prompt_logprobs(update.prompt_logprobs, self.text)
+        return prompt_logprobs(update.prompt_logprobs, self.job.prompt, self.text)
 
 
 def joined(updates: list[Update]) -> Update:
