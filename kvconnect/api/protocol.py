@@ -1,9 +1,7 @@
 """The OpenAI API requests kvconnect serves and routes, validated before anything else runs.
 
     parse(body, CompletionRequest | ChatCompletionRequest) -> the request, or ApiError (400)
-    parse(body, DetokenizeRequest)                          vLLM's POST /detokenize
-    parse_tokenize(body) -> TokenizeCompletionRequest | TokenizeChatRequest
-                                                            vLLM's POST /tokenize, either form
+    (vLLM's /tokenize and /detokenize requests: api/tokenize.py)
 
 Every field is typed (no coercion: "4" and 4.5 are not a max_tokens) and bounded; a bad one is
 a 400 whose body is OpenAI's `{"error": {"message", "type", "param", "code"}}` naming it.
@@ -93,7 +91,7 @@ class StreamOptions(msgspec.Struct):
     include_usage: bool = False
 
 
-class _Request(msgspec.Struct, kw_only=True):
+class BaseRequest(msgspec.Struct, kw_only=True):
     """What every request shares: the model it is for (None: the one served)."""
 
     model: str | None = None
@@ -102,7 +100,7 @@ class _Request(msgspec.Struct, kw_only=True):
         """`ApiError` if a field kvconnect does not implement is set (types are checked by then)."""
 
 
-class _Sampling(_Request, kw_only=True):
+class _Sampling(BaseRequest, kw_only=True):
     """The fields completions and chat completions share."""
 
     temperature: Temperature | None = None
@@ -269,7 +267,7 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
             raise ApiError("tool_choice is not supported", "tool_choice")
         if self.response_format not in (None, {"type": "text"}):
             raise ApiError("response_format other than text is not supported", "response_format")
-        _check_roles(self.messages)
+        check_roles(self.messages)
 
     @property
     def completion_tokens(self) -> int | None:
@@ -278,10 +276,10 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
 
     def conversation(self) -> list[dict[str, str]]:
         """The messages as a chat template takes them: role and text content."""
-        return _conversation(self.messages)
+        return as_conversation(self.messages)
 
 
-def _check_roles(messages: list[ChatMessage]) -> None:
+def check_roles(messages: list[ChatMessage]) -> None:
     for i, m in enumerate(messages):
         if m.role not in ROLES:
             raise ApiError(
@@ -290,7 +288,7 @@ def _check_roles(messages: list[ChatMessage]) -> None:
             )
 
 
-def _conversation(messages: list[ChatMessage]) -> list[dict[str, str]]:
+def as_conversation(messages: list[ChatMessage]) -> list[dict[str, str]]:
     out = []
     for i, m in enumerate(messages):
         message = {"role": m.role, "content": m.text(i)}
@@ -298,60 +296,6 @@ def _conversation(messages: list[ChatMessage]) -> list[dict[str, str]]:
             message["name"] = m.name
         out.append(message)
     return out
-
-
-# -- vLLM's tokenizer endpoints (vllm/entrypoints/serve/tokenize/protocol.py) -------------------
-
-
-class TokenizeCompletionRequest(_Request, kw_only=True):
-    """POST /tokenize with a prompt: its token ids as /v1/completions runs them."""
-
-    prompt: str
-    add_special_tokens: bool = True
-    """vLLM's: add the tokenizer's own special tokens (BOS); kvconnect's add none (the server
-    says why)."""
-    return_token_strs: bool | None = False
-    """Also return each token's piece of the vocabulary."""
-
-
-class TokenizeChatRequest(_Request, kw_only=True):
-    """POST /tokenize with messages: rendered as /v1/chat/completions renders them."""
-
-    messages: Messages
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-    """End the prompt inside the final message (no end of turn), for the model to continue it;
-    only with add_generation_prompt false."""
-    add_special_tokens: bool = False
-    return_token_strs: bool | None = False
-    # vLLM fields kvconnect does not implement: allowed only unset.
-    chat_template: str | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
-    mm_processor_kwargs: dict[str, Any] | None = None
-    tools: list[Any] | None = None
-
-    def check_unsupported(self) -> None:
-        if self.continue_final_message and self.add_generation_prompt:
-            raise ApiError(
-                "continue_final_message and add_generation_prompt cannot both be true "
-                "(add_generation_prompt is true unless set false)",
-                "continue_final_message",
-            )
-        if self.chat_template is not None:
-            raise ApiError("chat_template is not supported (the model's is used)", "chat_template")
-        for name in ("chat_template_kwargs", "mm_processor_kwargs", "tools"):
-            if getattr(self, name):
-                raise ApiError(f"{name} is not supported", name)
-        _check_roles(self.messages)
-
-    def conversation(self) -> list[dict[str, str]]:
-        return _conversation(self.messages)
-
-
-class DetokenizeRequest(_Request, kw_only=True):
-    """POST /detokenize: token ids back to text (the server checks them against the vocabulary)."""
-
-    tokens: list[int]
 
 
 _TokenIds = list[Annotated[int, msgspec.Meta(ge=0, lt=2**31)]]
@@ -371,39 +315,18 @@ def _token_ids(x: list[Any]) -> list[int] | None:
 
 _PARAM = re.compile(r"at `\$\.?([^`]*)`")
 _MISSING = re.compile(r"missing required field `([^`]*)`")
-R = TypeVar("R", bound=_Request)
+R = TypeVar("R", bound=BaseRequest)
 
 
 def parse(body: bytes, kind: type[R]) -> R:
     """The request in `body`, validated; `ApiError` (400 or 413) naming what is wrong."""
-    _check_size(body)
-    request = _validated(lambda: msgspec.json.decode(body, type=kind, strict=True))
+    check_size(body)
+    request = validated(lambda: msgspec.json.decode(body, type=kind, strict=True))
     request.check_unsupported()
     return request
 
 
-def parse_tokenize(body: bytes) -> TokenizeCompletionRequest | TokenizeChatRequest:
-    """A /tokenize request: the chat form when it has `messages`, else the prompt form."""
-    _check_size(body)
-    fields = _validated(lambda: msgspec.json.decode(body))
-    if not isinstance(fields, dict):
-        raise ApiError("invalid request: the body must be a JSON object")
-    request: TokenizeCompletionRequest | TokenizeChatRequest
-    if "messages" in fields:
-        if "prompt" in fields:
-            raise ApiError("give `prompt` or `messages`, not both", "prompt")
-        request = _validated(lambda: msgspec.convert(fields, TokenizeChatRequest, strict=True))
-    elif "prompt" in fields:
-        request = _validated(
-            lambda: msgspec.convert(fields, TokenizeCompletionRequest, strict=True)
-        )
-    else:
-        raise ApiError("the body needs `prompt` (a string) or `messages` (a chat)", "prompt")
-    request.check_unsupported()
-    return request
-
-
-def _check_size(body: bytes) -> None:
+def check_size(body: bytes) -> None:
     if len(body) > MAX_BODY_BYTES:
         raise ApiError(
             f"request body of {len(body)} bytes is over the limit of {MAX_BODY_BYTES}",
@@ -414,7 +337,7 @@ def _check_size(body: bytes) -> None:
 T = TypeVar("T")
 
 
-def _validated(decode: Callable[[], T]) -> T:
+def validated(decode: Callable[[], T]) -> T:
     """`decode()`, its failures as the 400 that names the field."""
     try:
         return decode()
@@ -432,12 +355,14 @@ def _validated(decode: Callable[[], T]) -> T:
 __all__ = [
     "MAX_BODY_BYTES",
     "ApiError",
+    "BaseRequest",
     "ChatCompletionRequest",
     "ChatMessage",
     "CompletionRequest",
-    "DetokenizeRequest",
-    "TokenizeChatRequest",
-    "TokenizeCompletionRequest",
+    "Messages",
+    "as_conversation",
+    "check_roles",
+    "check_size",
     "parse",
-    "parse_tokenize",
+    "validated",
 ]

@@ -52,11 +52,10 @@ from kvconnect.api.protocol import (
     ApiError,
     ChatCompletionRequest,
     CompletionRequest,
-    DetokenizeRequest,
     parse,
-    parse_tokenize,
 )
 from kvconnect.api.responses import Envelope, Usage
+from kvconnect.api.tokenize import DetokenizeRequest, parse_tokenize
 from kvconnect.engine.llm import LLM
 from kvconnect.engine.request import Request
 from kvconnect.serve.admission import RETRY_AFTER_S, Admission

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import msgspec
 
-from kvconnect.api.protocol import ApiError, TokenizeChatRequest, TokenizeCompletionRequest
+from kvconnect.api.protocol import ApiError
+from kvconnect.api.tokenize import TokenizeChatRequest, TokenizeCompletionRequest
 from kvconnect.engine.llm import EngineInfo
 from kvconnect.serve.prepare import render
 from kvconnect.tokenizer import BYTE_BOS, BYTE_EOS, ByteTokenizer, HFTokenizer, Tokenizer
