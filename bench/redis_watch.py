@@ -77,7 +77,8 @@ def bare_rate(client: redis.Redis, port: int) -> float:
             got += 1
     elapsed = time.perf_counter() - t0
     sub.close()
-    assert got == expected >= NUM, (got, expected)
+    # The warm fill only approximates the room, so a few of the first writes may still fit.
+    assert got == expected > NUM * 9 // 10, (got, expected)
     return got / elapsed
 
 

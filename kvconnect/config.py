@@ -2,10 +2,11 @@
 
 `KVEventsConfig` mirrors `--kv-events-config` and `KVTransferConfig` mirrors
 `--kv-transfer-config`: same field names, same defaults, with two deliberate differences: with
-no endpoint given, events bind loopback (vLLM binds every interface), and `bind` may force
-binding or connecting. Both are built with `from_json` /
-`from_dict` (both from `JsonConfig`); an unknown key is a `ValueError` that lists the valid
-ones, and every invalid value is a `ValueError` naming the field and the value.
+no endpoint given, events bind loopback (vLLM binds every interface), and kvconnect-only fields
+follow vLLM's (`bind` may force binding or connecting; `curve_secret_key_file`), so vLLM's JSON
+reads the same here. Both are built with `from_json` / `from_dict` (both from `JsonConfig`); an
+unknown key is a `ValueError` that lists the valid ones, and every invalid value is a
+`ValueError` naming the field and the value.
 
 This module imports nothing from the rest of the package.
 """
@@ -123,6 +124,12 @@ class KVEventsConfig(JsonConfig):
     """kvconnect only: True binds `endpoint`, False connects to it, None follows vLLM's rule
     above (set to True when `endpoint` is unset)."""
 
+    curve_secret_key_file: str | None = None
+    """kvconnect only: a ZMQ certificate file with the publisher's CURVE secret key (as
+    `zmq.auth.create_certificates` writes `<name>.key_secret`). Set, the live and replay
+    sockets are CURVE servers: encrypted, and only subscribers holding its public key
+    (`<name>.key`) hear anything (stream/curve.py). None: plain, vLLM's wire."""
+
     def __post_init__(self) -> None:
         name = type(self).__name__
         if not isinstance(self.enable_kv_cache_events, bool):
@@ -153,6 +160,9 @@ class KVEventsConfig(JsonConfig):
             raise _fail(name, "topic", self.topic, "must be a string")
         if self.bind is not None and not isinstance(self.bind, bool):
             raise _fail(name, "bind", self.bind, "must be a bool or null")
+        key_file = self.curve_secret_key_file
+        if key_file is not None and (not isinstance(key_file, str) or not key_file):
+            raise _fail(name, "curve_secret_key_file", key_file, "must be a file path or null")
 
     @property
     def binds_endpoint(self) -> bool:

@@ -121,3 +121,35 @@ def gguf_metadata(path: Path) -> dict[str, Any]:
 
 def gguf_tensor_names(path: Path) -> set[str]:
     return {t.name for t in gguf_reader(path).tensors}
+
+
+SAMPLE_BYTES = 1 << 20
+"""Of each weights file, the first and last this many bytes go into its identity."""
+
+
+def weights_identity(model: str) -> str:
+    """A cheap identity of `model`'s weights and config, the same on every host that has the
+    same files (no path, no mtime): per file its name, size and a digest of its first and last
+    MiB (a header alone would not tell two fine-tunes of one architecture apart; the last MiB
+    is weights). "tiny" is the name alone (its weights are seeded: the caller adds the seed).
+    `ValueError` as `resolve_model`."""
+    source = resolve_model(model)
+    if source.path is None:
+        return source.kind.value
+    files = [source.path] if source.path.is_file() else sorted(source.path.glob("*.safetensors"))
+    if source.kind is ModelKind.HF:
+        files.insert(0, source.path / "config.json")
+    return source.kind.value + ";" + ";".join(_file_identity(f) for f in files)
+
+
+def _file_identity(path: Path) -> str:
+    import hashlib
+
+    size = path.stat().st_size
+    digest = hashlib.blake2b(digest_size=16)
+    with path.open("rb") as f:
+        digest.update(f.read(SAMPLE_BYTES))
+        if size > SAMPLE_BYTES:
+            f.seek(max(SAMPLE_BYTES, size - SAMPLE_BYTES))
+            digest.update(f.read(SAMPLE_BYTES))
+    return f"{path.name}:{size}:{digest.hexdigest()}"

@@ -23,7 +23,9 @@ def test_events_defaults_match_vllm_except_loopback_endpoint() -> None:
         "max_queue_size",
         "topic",
         "bind",
+        "curve_secret_key_file",
     ]
+    assert c.curve_secret_key_file is None  # kvconnect only: plain unless a key file is named
     assert c.bind is True  # no endpoint given: the loopback default is bound
 
 

@@ -14,6 +14,8 @@ import argparse
 import asyncio
 import json
 import logging
+import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -24,13 +26,12 @@ import urllib.request
 from pathlib import Path
 from typing import TextIO
 
-from aiohttp import web
-
+from kvconnect.api.connections import Listener
 from kvconnect.commands.redis_server import LocalRedis
 from kvconnect.commands.startup import EVENTS_PORT_OFFSET, REPLAY_PORT_OFFSET, check_port_free
 from kvconnect.router.core import Instance, Router
 from kvconnect.router.index import BlockIndex
-from kvconnect.router.server import make_app
+from kvconnect.router.server import RouterOptions, make_app
 from kvconnect.tokenizer import load_tokenizer
 
 
@@ -49,10 +50,12 @@ def wait_healthy(url: str, proc: subprocess.Popen[bytes] | None, timeout: float)
     raise RuntimeError(f"{url} did not become healthy within {timeout:.0f}s")
 
 
-def instance_command(i: int, args: argparse.Namespace, redis_url: str | None) -> list[str]:
+def instance_command(
+    i: int, args: argparse.Namespace, redis_tier: dict[str, object] | None
+) -> list[str]:
     tiers: list[dict[str, object]] = [{"kind": "cpu", "max_bytes": 256 << 20}]
-    if redis_url:
-        tiers.append({"kind": "redis", "url": redis_url})
+    if redis_tier:
+        tiers.append(redis_tier)
     transfer = {
         "kv_connector": "OffloadConnector",
         "kv_role": "kv_both",
@@ -129,19 +132,22 @@ class BackgroundRouter:
 
     def __init__(self, router: Router, port: int) -> None:
         self.url = f"http://127.0.0.1:{port}"
-        self._runner = web.AppRunner(make_app(router), access_log=None)
+        options = RouterOptions()  # the connection cap and deadlines of `kvconnect router`
+        self._listener = Listener(make_app(router, options), options.limits)
         self._loop = asyncio.new_event_loop()
-        self._loop.run_until_complete(self._runner.setup())
-        self._loop.run_until_complete(web.TCPSite(self._runner, "127.0.0.1", port).start())
+        self._loop.run_until_complete(self._listener.start("127.0.0.1", port))
         threading.Thread(target=self._loop.run_forever, daemon=True).start()
 
     def stop(self) -> None:
-        asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(timeout=10)
+        asyncio.run_coroutine_threadsafe(self._listener.close(), self._loop).result(timeout=10)
         self._loop.call_soon_threadsafe(self._loop.stop)
 
 
 def start_instances(
-    args: argparse.Namespace, redis_url: str | None, logs: str, procs: list[subprocess.Popen[bytes]]
+    args: argparse.Namespace,
+    redis_tier: dict[str, object] | None,
+    logs: str,
+    procs: list[subprocess.Popen[bytes]],
 ) -> list[Instance]:
     """Start every instance (appended to `procs` as it starts) and wait until each is up."""
     instances = []
@@ -152,7 +158,7 @@ def start_instances(
         # each instance once.
         procs.append(
             subprocess.Popen(
-                instance_command(i, args, redis_url),
+                instance_command(i, args, redis_tier),
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
@@ -215,6 +221,28 @@ def stop_all(procs: list[subprocess.Popen[bytes]]) -> None:
             p.kill()
 
 
+def start_redis(out: TextIO) -> LocalRedis:
+    """The cluster's Redis, with a generated password: it listens on loopback, which every
+    local user reaches. `out` gets only the address."""
+    server = LocalRedis(password=secrets.token_urlsafe(24))
+    print(f"# redis on redis://127.0.0.1:{server.port}/0 (password set)", file=out, flush=True)
+    return server
+
+
+def redis_tier(server: LocalRedis, logs: str) -> dict[str, object]:
+    """The instances' redis tier: the password in a file of the (private) logs directory,
+    so that it is on no command line."""
+    path = Path(logs) / "redis-password"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(server.password or "")
+    return {
+        "kind": "redis",
+        "url": f"redis://127.0.0.1:{server.port}/0",
+        "password_file": str(path),
+    }
+
+
 def run_cluster(args: argparse.Namespace, out: TextIO) -> int:
     procs: list[subprocess.Popen[bytes]] = []
     front: BackgroundRouter | None = None
@@ -225,10 +253,9 @@ def run_cluster(args: argparse.Namespace, out: TextIO) -> int:
     check_port_free("127.0.0.1", args.base_port, "--base-port (the router)")
     try:
         if args.redis:
-            local_redis = LocalRedis()
-            print(f"# redis on {local_redis.url}", file=out, flush=True)
-        redis_url = local_redis.url if local_redis is not None else None
-        instances = start_instances(args, redis_url, logs, procs)
+            local_redis = start_redis(out)
+        tier = redis_tier(local_redis, logs) if local_redis is not None else None
+        instances = start_instances(args, tier, logs, procs)
         print(f"# {args.instances} instances of {args.model} starting; logs in {logs}", file=out)
         wait_instances(instances, procs, logs, out)
         router = Router(instances, BlockIndex(), load_tokenizer(args.model)).start()

@@ -1,7 +1,9 @@
 """`kvconnect events tail` and `kvconnect events demo`: a KV event stream, readable.
 
 `tail` prints every batch of a stream (vLLM's or kvconnect's) as it arrives, with gap repair
-through replay. `demo` runs a real publisher on loopback fed with the block events of a few
+through replay; a stream with CURVE on is read with the key files named by
+KVCONNECT_EVENTS_CURVE_SERVER_KEY and KVCONNECT_EVENTS_CURVE_CLIENT_KEY (stream/curve.py says
+how to make them). `demo` runs a real publisher on loopback fed with the block events of a few
 prompts that share a prefix, and tails it, so the stream can be seen without an engine.
 """
 
@@ -9,9 +11,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import threading
 import time
+from collections.abc import Mapping
 from typing import Any, TextIO
 
 import msgspec
@@ -27,6 +31,7 @@ from kvconnect.events import (
     KVEventBatch,
 )
 from kvconnect.hashing import block_hashes, to_wire
+from kvconnect.stream.curve import CurveClientKeys
 from kvconnect.stream.publisher import ZmqEventPublisher
 from kvconnect.stream.subscriber import (
     KVEventSubscriber,
@@ -171,6 +176,23 @@ def run_demo(port: int, num_batches: int, out: TextIO) -> int:
         publisher.shutdown()
 
 
+CURVE_SERVER_KEY_ENV = "KVCONNECT_EVENTS_CURVE_SERVER_KEY"
+"""`tail`, `router`: the publishers' public key file (`server.key`), for streams with CURVE on."""
+CURVE_CLIENT_KEY_ENV = "KVCONNECT_EVENTS_CURVE_CLIENT_KEY"
+"""`tail`, `router`: this client's secret key file (`client.key_secret`), with the one above."""
+
+
+def curve_from_env(env: Mapping[str, str]) -> CurveClientKeys | None:
+    """The CURVE keys `tail` and `router` read locked-down streams with: both variables or
+    neither."""
+    server, client = env.get(CURVE_SERVER_KEY_ENV), env.get(CURVE_CLIENT_KEY_ENV)
+    if not server and not client:
+        return None
+    if not server or not client:
+        raise ValueError(f"set both {CURVE_SERVER_KEY_ENV} and {CURVE_CLIENT_KEY_ENV}, or neither")
+    return CurveClientKeys.from_files(server, client)
+
+
 def run_events(args: argparse.Namespace, out: TextIO) -> int:
     """`kvconnect events tail|demo`."""
     if args.action == "demo":
@@ -185,6 +207,7 @@ def run_events(args: argparse.Namespace, out: TextIO) -> int:
         bind=args.bind,
         start_seq=args.from_seq,
         snapshots=args.snapshot,
+        curve=curve_from_env(os.environ),
     )
     tail(subscriber, out, args.json)
     return 0

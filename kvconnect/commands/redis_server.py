@@ -1,13 +1,16 @@
 """Throwaway redis-servers on loopback, for `kvconnect cluster --redis`, tests and benchmarks.
 
 `LocalRedis`: one server with no persistence, in its own temporary directory, on a free port
-unless one is given; `stop()` ends it and removes the directory. `LocalRedisCluster`: a Redis
-Cluster of masters (each with a replica) made with `redis-cli --cluster create`, for the redis
-tier's `"cluster": true`.
+unless one is given; `stop()` ends it and removes the directory. With `password` it requires
+it (`requirepass`, written to a config file in that owner-only directory rather than given
+on its command line, which every local user can read); `url` then carries it.
+`LocalRedisCluster`: a Redis Cluster of masters (each with a replica) made with
+`redis-cli --cluster create`, for the redis tier's `"cluster": true`.
 """
 
 from __future__ import annotations
 
+import os
 import random
 import shutil
 import socket
@@ -45,7 +48,11 @@ def _cluster_port() -> int:
 
 class LocalRedis:
     def __init__(
-        self, port: int | None = None, timeout: float = 10.0, extra_args: Sequence[str] = ()
+        self,
+        port: int | None = None,
+        timeout: float = 10.0,
+        extra_args: Sequence[str] = (),
+        password: str | None = None,
     ) -> None:
         exe = shutil.which("redis-server")
         if exe is None:
@@ -53,11 +60,19 @@ class LocalRedis:
         if port is None:
             port = _free_port()
         self.port = port
-        self.url = f"redis://127.0.0.1:{port}/0"
-        self.workdir = tempfile.mkdtemp(prefix="kvconnect-redis-")
+        self.password = password
+        auth = f":{password}@" if password else ""
+        self.url = f"redis://{auth}127.0.0.1:{port}/0"
+        self.workdir = tempfile.mkdtemp(prefix="kvconnect-redis-")  # mode 0700
+        conf = os.path.join(self.workdir, "redis.conf")
+        fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            if password:  # a quoted config value: the password is generated, never a quote
+                f.write(f'requirepass "{password}"\n')
         self.proc = subprocess.Popen(
             [
                 exe,
+                conf,
                 "--port",
                 str(port),
                 "--bind",
@@ -82,6 +97,10 @@ class LocalRedis:
                 break
             try:
                 with socket.create_connection(("127.0.0.1", self.port), timeout=1) as conn:
+                    if self.password:
+                        conn.sendall(f"AUTH {self.password}\r\n".encode())
+                        if not conn.recv(16).startswith(b"+OK"):
+                            raise OSError("not ready for AUTH")
                     conn.sendall(b"PING\r\n")
                     if conn.recv(16).startswith(b"+PONG"):
                         return

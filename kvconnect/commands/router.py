@@ -6,11 +6,13 @@ import argparse
 import asyncio
 import gc
 import logging
+import os
 from collections.abc import Coroutine
 from typing import Any
 
 from kvconnect.api.auth import admin_token_from, api_key_from, instance_api_key_from
 from kvconnect.api.connections import ConnectionLimits
+from kvconnect.commands.events import curve_from_env
 from kvconnect.commands.startup import check_port_free
 from kvconnect.events import tier_of
 from kvconnect.router.core import Instance, Router
@@ -61,7 +63,8 @@ def run_router_command(args: argparse.Namespace) -> int:
         max_entries=args.max_index_entries,
         tier_weights=weights,
     )
-    router = Router(instances, index, tokenizer, args.load_weight).start()
+    curve = curve_from_env(os.environ)  # as `events tail`: both key files, or neither
+    router = Router(instances, index, tokenizer, args.load_weight, curve).start()
     gc.freeze()  # what start-up made lives as long as the process: no collection walks it again
     return run_event_loop(serve_router(router, args.host, args.port, options))
 

@@ -37,6 +37,7 @@ from kvconnect.messages import (
 )
 from kvconnect.model.llama import AttentionMetadata, LayerHooks
 from kvconnect.model.loader import load_model
+from kvconnect.model_source import weights_identity
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,7 @@ class WorkerConfig:
             rank=rank,
             block_size=self.block_size,
             model_name=self.model,
+            model_fingerprint=f"{weights_identity(self.model)};dtype={self.dtype};seed={self.seed}",
             hash_algorithm=self.hash_algorithm,
             hash_seed=self.hash_seed,
             data_parallel_rank=self.data_parallel_rank,

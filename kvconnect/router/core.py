@@ -26,6 +26,7 @@ from kvconnect.api.protocol import ApiError, ChatCompletionRequest, CompletionRe
 from kvconnect.router.health import HealthChecker
 from kvconnect.router.index import BlockIndex, PrefixScore
 from kvconnect.router.scorer import DEFAULT_LOAD_WEIGHT, choose, spread_key
+from kvconnect.stream.curve import CurveClientKeys
 from kvconnect.stream.subscriber import KVEventSubscriber, ReceivedBatch, StreamSnapshot
 from kvconnect.tokenizer import ChatTemplateError, Tokenizer
 
@@ -87,6 +88,7 @@ class Router:
         index: BlockIndex,
         tokenizer: Tokenizer,
         load_weight: float = DEFAULT_LOAD_WEIGHT,
+        curve: CurveClientKeys | None = None,
     ) -> None:
         if not instances:
             raise ValueError("the router needs at least one --instance")
@@ -94,6 +96,8 @@ class Router:
         self.index = index
         self.tokenizer = tokenizer
         self.load_weight = load_weight
+        self.curve = curve
+        """Keys for event streams with CURVE on (stream/curve.py); None reads plain ones."""
         self.lock = threading.Lock()
         self.in_flight: Counter[str] = Counter()
         self.decisions: Counter[str] = Counter()
@@ -121,6 +125,7 @@ class Router:
             [i.replay_endpoint for i in self.instances],
             start_seq=0,
             snapshots=True,  # a router that (re)starts, or loses batches, gets the whole state
+            curve=self.curve,
         )
         self._thread = threading.Thread(target=self._follow, name="router-events", daemon=True)
         self._thread.start()
@@ -202,7 +207,9 @@ class Router:
         except (msgspec.DecodeError, msgspec.ValidationError):
             return
         details = usage.prompt_tokens_details if usage is not None else None
-        cached = (details.cached_tokens or 0) if details is not None else 0
+        if details is None:  # an instance without --enable-prompt-tokens-details: no count
+            return
+        cached = details.cached_tokens or 0
         if cached < score.num_tokens:
             with self.lock:
                 dropped = self.index.mark_stale(name, check[0], cached, check[1])

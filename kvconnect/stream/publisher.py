@@ -46,10 +46,12 @@ import zmq
 
 from kvconnect.config import KVEventsConfig
 from kvconnect.events import KVEventBatch, encode_batch
+from kvconnect.stream.curve import CurveServerKeys
 from kvconnect.stream.replay import ReplayRing, ReplayServer, open_replay_socket
 from kvconnect.stream.state import StreamState
 from kvconnect.stream.wire import (
     END_SEQ,
+    MAX_REQUEST_BYTES,
     SNAPSHOT_REQUEST,
     PublisherStatus,
     offset_endpoint,
@@ -178,11 +180,20 @@ class ZmqEventPublisher(EventPublisher):
     def _open_sockets(
         self, ctx: zmq.Context[Any]
     ) -> tuple[zmq.Socket[bytes], zmq.Socket[bytes] | None]:
+        key_file = self.config.curve_secret_key_file
+        try:
+            curve = CurveServerKeys.from_file(key_file) if key_file else None
+        except ValueError as e:
+            raise ValueError(f"KVEventsConfig.curve_secret_key_file={key_file!r}: {e}") from None
         pub: zmq.Socket[bytes] = ctx.socket(zmq.XPUB)
         replay: zmq.Socket[bytes] | None = None
         try:
+            if curve is not None:
+                curve.apply(pub)
             # Every subscribe and unsubscribe (also of a peer that went away) comes up.
             pub.setsockopt(zmq.XPUB_VERBOSER, 1)
+            # It reads only subscriptions (b"\x01" + topic prefix).
+            pub.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES + len(self._topic_bytes))
             pub.setsockopt(zmq.SNDHWM, self.config.hwm)
             endpoint = offset_endpoint(self.config.endpoint, self._data_parallel_rank)
             assert endpoint is not None  # the config resolved it
@@ -193,6 +204,8 @@ class ZmqEventPublisher(EventPublisher):
             self.endpoint = endpoint
             if self.replay_endpoint is not None:
                 replay = open_replay_socket(ctx)
+                if curve is not None:
+                    curve.apply(replay)
                 self.replay_endpoint = _bind(replay, self.replay_endpoint)
         except zmq.ZMQError as e:
             pub.close(linger=0)
@@ -283,6 +296,11 @@ class ZmqEventPublisher(EventPublisher):
     @property
     def num_replay_sessions_dropped(self) -> int:
         return self._replay.num_sessions_dropped if self._replay is not None else 0
+
+    @property
+    def num_replay_clients_blocked(self) -> int:
+        """Replay clients whose queue is full (they read slower than sent, or not at all)."""
+        return self._replay.num_blocked if self._replay is not None else 0
 
     def wait_for_subscriber(self, timeout: float = 10.0, num_subscriptions: int = 1) -> bool:
         """Block until `num_subscriptions` subscriptions have reached the live socket (so the

@@ -16,7 +16,12 @@ Per publisher stream it keeps the last seq it yielded and:
   publisher for the full state of its stream and yields it as a `StreamSnapshot` (replace what
   you hold for that stream), then the batches after its fence, so a consumer's view converges
   to the instance's truth whatever it missed. A publisher without snapshots (vLLM's) answers
-  with nothing, and the subscriber goes on as without the option.
+  with nothing, and the subscriber goes on as without the option;
+- `max_message_size`: a frame larger than this (default `wire.MAX_BATCH_BYTES`, 64 MiB, over
+  the largest legitimate batch) cuts that connection before it is read; the subscriber
+  connects again, and what it missed is replayed or reported lost;
+- `curve`: the publisher's public key and this subscriber's key pair (`stream/curve.py`), for
+  a publisher with `curve_secret_key_file`; without them such a publisher says nothing.
 
 The handshake. Whenever a connection to a publisher comes up (the first time, and after every
 reconnect) the subscriber asks that publisher's replay socket for everything after the last
@@ -46,7 +51,8 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from kvconnect.events import EventDecodeError, KVEventBatch, decode_batch
-from kvconnect.stream.wire import END_SEQ, SNAPSHOT_REQUEST, PublisherStatus
+from kvconnect.stream.curve import CurveClientKeys
+from kvconnect.stream.wire import END_SEQ, MAX_BATCH_BYTES, SNAPSHOT_REQUEST, PublisherStatus
 
 logger = logging.getLogger(__name__)
 
@@ -116,7 +122,7 @@ ReplayEndpoints = str | Sequence[str | None] | Mapping[int, str] | None
 
 _DRAIN = 16  # live messages read per socket per poll
 _PROBE_SEQ = 2**64 - 1  # a replay from here returns only the terminator (with the status)
-_MONITORED = zmq.EVENT_HANDSHAKE_SUCCEEDED
+_MONITORED = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
 
 
 @dataclass
@@ -166,6 +172,8 @@ class KVEventSubscriber:
         snapshots: bool = False,
         replay_timeout: float = 2.0,
         hwm: int = 100_000,
+        max_message_size: int = MAX_BATCH_BYTES,
+        curve: CurveClientKeys | None = None,
         context: zmq.Context[Any] | None = None,
     ) -> None:
         self.endpoints = [endpoint] if isinstance(endpoint, str) else list(endpoint)
@@ -175,6 +183,12 @@ class KVEventSubscriber:
         if start_seq is not None and start_seq < 0:
             raise ValueError(f"start_seq must be >= 0, got {start_seq}")
         self._start_seq = start_seq
+        if isinstance(max_message_size, bool) or not isinstance(max_message_size, int):
+            raise ValueError(f"max_message_size must be an integer, got {max_message_size!r}")
+        if max_message_size < 1:
+            raise ValueError(f"max_message_size must be >= 1, got {max_message_size}")
+        self._max_message_size = max_message_size
+        self._curve = curve
         self._snapshots = snapshots
         self._replay_timeout = replay_timeout
         self._bind = bind
@@ -194,6 +208,8 @@ class KVEventSubscriber:
         self.num_gaps_repaired = 0
         self.num_batches_replayed = 0
         self.num_batches_lost = 0
+        self.num_replay_failures = 0
+        """Replay answers that stalled (no message for `replay_timeout`) or failed."""
         self.num_duplicates = 0
         self.num_handshakes = 0
         self.num_snapshots = 0
@@ -204,6 +220,9 @@ class KVEventSubscriber:
     def _open(self, index: int, endpoint: str, hwm: int) -> None:
         sub = self._ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.RCVHWM, hwm)
+        sub.setsockopt(zmq.MAXMSGSIZE, self._max_message_size)
+        if self._curve is not None:
+            self._curve.apply(sub)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.SUBSCRIBE, self._topic)
         # Connected, each connection that comes up is one publisher: watch for it.
@@ -294,6 +313,12 @@ class KVEventSubscriber:
         event = parse_monitor_message(sock.recv_multipart())
         if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
             self._handshake(source)
+        elif event["event"] == zmq.EVENT_DISCONNECTED:
+            # libzmq reconnects after a lost connection but never after a protocol error (a
+            # frame over MAXMSGSIZE): connect again so the stream always comes back (what it
+            # missed meanwhile is replayed, or reported lost).
+            source.sub.disconnect(source.endpoint)
+            source.sub.connect(source.endpoint)
 
     def _handshake(self, source: _Source) -> None:
         """A connection to the publisher at `source` is up: learn who it is and catch up."""
@@ -489,11 +514,26 @@ class KVEventSubscriber:
 
     def _request_replay(self, endpoint: str, start_seq: int | bytes) -> _ReplayAnswer:
         """Every batch the publisher still holds from `start_seq` on, and its status (or, for
-        SNAPSHOT_REQUEST, its snapshot)."""
+        SNAPSHOT_REQUEST, its snapshot). The deadline is on progress: an answer that stalls
+        for `replay_timeout` after some batches is asked for again from the next seq, so it
+        ends only when complete or when the publisher sends nothing at all for that long."""
+        answer = self._replay_once(endpoint, start_seq)
+        while not answer.complete and answer.batches and isinstance(start_seq, int):
+            more = self._replay_once(endpoint, answer.batches[-1][1] + 1)
+            if not more.batches and not more.complete:
+                break
+            answer.batches.extend(more.batches)
+            answer.status, answer.complete = more.status, more.complete
+        return answer
+
+    def _replay_once(self, endpoint: str, start_seq: int | bytes) -> _ReplayAnswer:
         sock = self._dealers.get(endpoint)
         if sock is None:
             sock = self._dealers[endpoint] = self._ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.MAXMSGSIZE, self._max_message_size)
+            if self._curve is not None:
+                self._curve.apply(sock)
             sock.connect(endpoint)
         answer = _ReplayAnswer([], None, False)
         try:
@@ -520,6 +560,7 @@ class KVEventSubscriber:
                 else:
                     self.num_bad_frames += 1
         except (zmq.ZMQError, TimeoutError) as e:
+            self.num_replay_failures += 1
             logger.warning("KV event subscriber: replay from %s failed: %s", endpoint, e)
             # Late answers would be mistaken for the next request's: start a fresh socket.
             self._dealers.pop(endpoint).close(linger=0)

@@ -24,6 +24,20 @@ SNAPSHOT_REQUEST = b"kvconnect snapshot"
 """A replay request's last frame asking for the stream's full state instead of a replay."""
 _STATUS_PREFIX = b"kvconnect "
 
+MAX_REQUEST_BYTES = 4096
+"""MAXMSGSIZE of the sockets that only receive requests (the replay ROUTER, the live XPUB's
+subscriptions): a request is 8 bytes, a snapshot request 18, a subscription the topic + 1.
+A larger frame drops the sender's connection before anything is allocated for it."""
+MAX_BATCH_BYTES = 64 << 20
+"""Default MAXMSGSIZE of the subscriber's sockets (live SUB, replay DEALER), per frame. A
+batch is one engine step's events; its bulk is BlockStored token ids (at most 5 bytes each in
+msgpack) and block hashes (9 bytes). A step that stores 1M tokens (beyond any
+max_num_batched_tokens in use) on three media (GPU, CPU, STORAGE) is about 15 MiB, and the
+publisher cuts snapshot batches at `SNAPSHOT_TOKENS_PER_BATCH` tokens (about 5 MiB): 64 MiB
+leaves a 4x margin over the largest legitimate batch and refuses what the issue sent
+(512 MiB frames). A batch over it cuts the connection: the subscriber reconnects, and the batch
+is reported lost (replay refuses it too), never silently absorbed."""
+
 
 def seq_frame(seq: int) -> bytes:
     return seq.to_bytes(8, "big")

@@ -20,6 +20,7 @@ request, so chunk keys and events agree with vLLM's prefix cache whatever its ha
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 import torch
@@ -52,6 +53,7 @@ from kvconnect.messages import (
     ScheduledRequest,
     SchedulerOutput,
 )
+from kvconnect.model_source import weights_identity
 
 logger = logging.getLogger(__name__)
 
@@ -97,10 +99,35 @@ def connector_context(vllm_config: Any, role: VllmRole) -> KVConnectorContext:
         block_size=vllm_config.cache_config.block_size,
         # The chunk keys' model part: the same weights at the same precision share entries.
         model_name=f"{model.model}@{str(model.dtype).removeprefix('torch.')}",
+        model_fingerprint=model_fingerprint(vllm_config),
         hash_algorithm=vllm_config.cache_config.prefix_caching_hash_algo,
         data_parallel_rank=parallel.data_parallel_rank,
         int_block_hashes=bool(vllm.envs.VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES),
     )
+
+
+def model_fingerprint(vllm_config: Any) -> str:
+    """What tells this engine's KV apart from another's under the same model name, from
+    fields vLLM has already read (nothing is loaded): the checkpoint (revision, and for a
+    local directory its files' identity), its HF config, quantization, the model and KV cache
+    dtypes. Fields a vLLM release lacks count as empty."""
+    model, cache = vllm_config.model_config, vllm_config.cache_config
+    hf_config = getattr(model, "hf_config", None)
+    parts = [
+        str(getattr(model, name, ""))
+        for name in ("model", "revision", "tokenizer", "quantization", "dtype")
+    ]
+    parts.append(str(getattr(cache, "cache_dtype", "")))
+    try:
+        parts.append(hf_config.to_json_string() if hf_config is not None else "")
+    except (AttributeError, TypeError, ValueError):  # a config that does not serialise
+        parts.append(repr(hf_config))
+    if os.path.isdir(str(model.model)):  # a local checkpoint: its files, not just its path
+        try:
+            parts.append(weights_identity(str(model.model)))
+        except (ValueError, OSError) as e:
+            logger.warning("kvconnect: no weights identity for %s (%s)", model.model, e)
+    return "\0".join(parts)
 
 
 def canonical_kv_view(name: str, kv: torch.Tensor, block_size: int) -> torch.Tensor:

@@ -142,11 +142,18 @@ def test_redis_failing_while_loads_read_it_changes_no_output(
             r.stop()
 
 
+def rank_dir(root: Path) -> Path:
+    """The one rank's directory of the one model under a disk tier's `path`."""
+    [found] = root.glob("model-*/tp1-rank0")
+    return found
+
+
 def disk_contents(root: Path) -> Counter[Any]:
     """What the disk tier's directory holds, read by a fresh tier (as a restart would)."""
     counts: Counter[Any] = Counter()
-    for _, info in DiskTier(str(root / "tp1-rank0"), 1 << 34).entries():
-        counts.update(info.block_hashes)
+    with DiskTier(str(rank_dir(root)), 1 << 34) as tier:
+        for _, info in tier.entries():
+            counts.update(info.block_hashes)
     return counts
 
 
@@ -157,7 +164,7 @@ def test_disk_chunks_corrupted_under_a_running_engine_are_dropped_and_recomputed
     inst = Instance(tmp_path, {"kind": "disk", "path": str(root), "max_bytes": 1 << 28})
     try:
         run_round(inst, reference)
-        files = sorted((root / "tp1-rank0").glob("*" + SUFFIX))
+        files = sorted(rank_dir(root).glob("*" + SUFFIX))
         assert len(files) == 3 + 6 * 3  # the shared chunks once, then each prompt's own
         for i, f in enumerate(files):  # one flipped payload byte in every other file
             if i % 2 == 0:

@@ -565,3 +565,43 @@ def test_stalled_subscriber_gets_every_batch_once_through_replay_after_resuming(
     finally:
         sub.close()
         pub.shutdown()
+
+
+def test_a_replay_answer_that_stalls_midway_is_asked_again_from_where_it_stopped() -> None:
+    """The replay deadline is on progress: a publisher that sends half an answer and goes
+    quiet (it dropped the session) is asked again from the next seq; nothing is reported lost."""
+    ep, rp = tcp_pair()
+    ctx: zmq.Context[Any] = zmq.Context.instance()
+    router = ctx.socket(zmq.ROUTER)
+    router.bind(rp)
+    payloads = [encode_batch(make_batch(i)) for i in range(10)]
+    requests: list[int] = []
+    stop = threading.Event()
+
+    def serve() -> None:
+        while not stop.is_set():
+            if router.poll(50):
+                ident, _, start = router.recv_multipart()
+                first = int.from_bytes(start, "big")
+                requests.append(first)
+                for s in range(first, 5 if len(requests) == 1 else 10):
+                    router.send_multipart([ident, b"", b"", s.to_bytes(8, "big"), payloads[s]])
+                if len(requests) > 1:  # the first answer stops at 5 with no terminator
+                    router.send_multipart([ident, b"", b"", END_SEQ, b""])
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    pub = bound_xpub(ep)
+    sub = KVEventSubscriber(ep, rp, start_seq=0, replay_timeout=0.3)
+    try:
+        wait_subscribed(pub)
+        items = take(sub, 10)
+        assert seqs(items) == list(range(10)) and len(items) == 10
+        assert requests == [0, 5]
+        assert sub.num_replay_failures == 1 and sub.num_batches_lost == 0
+    finally:
+        stop.set()
+        t.join()
+        sub.close()
+        pub.close(linger=0)
+        router.close(linger=0)

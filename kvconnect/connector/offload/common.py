@@ -6,7 +6,12 @@ KV heads) under a key naming the model, the world size, the rank and the chained
 chunk's last block, so the same prefix finds the same entries across requests and instances:
 
     tokens  [ chunk 0: blocks 0..15 | chunk 1: blocks 16..31 | ...]     chunk_size 256, block 16
-    key     "<model>/<world_size>/<rank>/<hex hash of block 15>"         (then block 31, ...)
+    key     "<model>@<fp>/<world_size>/<rank>/<hex hash of block 15>"    (then block 31, ...)
+
+`<fp>` is the model fingerprint (`key_namespace`): the engine's identity of the weights and
+their config, dtype, block and chunk size, so another checkpoint (or precision, or chunking)
+served under the same model name never meets these entries. A key is only where to look: the
+worker checks that what it finds there describes the chunk asked for (worker.py).
 
 Chunk data on a rank: [num_layers, 2 (K, V), chunk_size, kv_heads / tp, head_dim].
 
@@ -17,6 +22,7 @@ rules that join fields. Every error is a `ValueError` naming the field.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Annotated, Any
@@ -54,6 +60,13 @@ class TierConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     expires is announced (BlockRemoved, STORAGE/REMOTE); see tiers/redis_watch.py."""
     cluster: bool = False
     """Redis: `url` is any node of a Redis Cluster (or Valkey cluster)."""
+    password_file: str = ""
+    """Redis: a file holding the password (not readable by every user), used with the URL's
+    user if it names one; keeps the password out of command lines and config JSON."""
+    hmac_key_file: str = ""
+    """Disk, redis: a file holding a deployment secret (at least 16 bytes, not readable by
+    every user, checked at start); chunks are then HMAC-signed and an unsigned or wrongly
+    signed entry is a miss. Every instance sharing the tier must name the same key."""
 
     def __post_init__(self) -> None:
         # `==`, not `is`: a TierConfig built in code may name its kind by the plain string.
@@ -61,6 +74,16 @@ class TierConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ValueError("the disk tier needs a path")
         if self.kind == TierKind.REDIS and not self.url:
             raise ValueError("the redis tier needs a url")
+        if self.password_file and self.kind != TierKind.REDIS:
+            raise ValueError("password_file is for the redis tier")
+        credentials = self.url.partition("://")[2].partition("/")[0].rpartition("@")[0]
+        if self.password_file and ":" in credentials:
+            raise ValueError("the redis tier has a password in its url and a password_file")
+        if self.kind == TierKind.CPU and self.hmac_key_file:
+            raise ValueError(
+                "hmac_key_file is for the disk and redis tiers (the cpu tier is this "
+                "process's own memory: nothing outside it writes there)"
+            )
 
 
 class OffloadConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -132,11 +155,19 @@ def _check_tier_keys(i: int, raw: object) -> None:
         )
 
 
-def chunk_key(model: str, world_size: int, rank: int, last_block_hash: bytes) -> str:
-    """`model/world/rank/{hex}`. The braces are a Redis Cluster hash tag: every rank's key of
-    one chunk lands in one hash slot, so one EXISTS checks them all (braces in the model name
-    would move the tag, so they are replaced)."""
-    name = model.replace("{", "(").replace("}", ")")
+def key_namespace(model_name: str, fingerprint: str, block_size: int, chunk_size: int) -> str:
+    """`model@<16 hex>`: the model's name (readable in a key listing) and a digest of
+    everything that makes its chunks' contents differ (`fingerprint` from the engine, see
+    `KVConnectorContext.model_fingerprint`; the block and chunk size)."""
+    what = f"{model_name}\0{fingerprint}\0{block_size}\0{chunk_size}".encode()
+    return f"{model_name}@{hashlib.blake2b(what, digest_size=8).hexdigest()}"
+
+
+def chunk_key(namespace: str, world_size: int, rank: int, last_block_hash: bytes) -> str:
+    """`namespace/world/rank/{hex}` (`namespace` from `key_namespace`). The braces are a Redis
+    Cluster hash tag: every rank's key of one chunk lands in one hash slot, so one EXISTS
+    checks them all (braces in the model name would move the tag, so they are replaced)."""
+    name = namespace.replace("{", "(").replace("}", ")")
     return f"{name}/{world_size}/{rank}/{{{last_block_hash.hex()}}}"
 
 

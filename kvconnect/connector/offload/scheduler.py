@@ -34,6 +34,7 @@ from kvconnect.connector.offload.common import (
     OffloadWorkerMetadata,
     SaveSpec,
     chunk_key,
+    key_namespace,
 )
 from kvconnect.connector.offload.lookup import PrefixLookup
 from kvconnect.connector.offload.tiers import RemovalWatcher, TierPlacement, create_tier
@@ -72,6 +73,9 @@ class OffloadScheduler:
         self.context = context
         self.config = config
         self.metadata_class = metadata_class
+        self.namespace = key_namespace(
+            context.model_name, context.model_fingerprint, context.block_size, config.chunk_size
+        )
         self.quorum = EventQuorum(context.world_size, max_pending_steps=config.max_pending_steps)
         self.held: dict[int | bytes, set[str]] = {}  # chunk (last block's wire hash) -> tiers
         self._local_tiers = {t.kind.tier for t in config.tiers if not t.kind.shared}
@@ -80,11 +84,12 @@ class OffloadScheduler:
         shared = [t for t in config.tiers if t.kind.shared]
         self._shared_kind = shared[0].kind if shared else None
         if shared:
-            tier = create_tier(shared[0], TierPlacement(context.world_size, rank=0))
+            placement = TierPlacement(context.world_size, rank=0, namespace=self.namespace)
+            tier = create_tier(shared[0], placement)
             tier.check_reachable()  # before any worker starts: a wrong URL fails at once
             self.lookup = PrefixLookup(tier)
             self.watcher = tier.watch_removals(
-                f"{context.model_name}/{context.world_size}/", context.world_size, self._rank_keys
+                f"{self.namespace}/{context.world_size}/", context.world_size, self._rank_keys
             )
         # Chunks saved while a watcher runs: wire last hash -> raw, until their shared store
         # is released (the watcher follows keys, which name the raw hash).
@@ -152,11 +157,8 @@ class OffloadScheduler:
 
     def _rank_keys(self, last_block_hash: bytes) -> list[str]:
         """The keys of one chunk on every rank (a shared tier must hold all of them)."""
-        ctx = self.context
-        return [
-            chunk_key(ctx.model_name, ctx.world_size, r, last_block_hash)
-            for r in range(ctx.world_size)
-        ]
+        world = self.context.world_size
+        return [chunk_key(self.namespace, world, r, last_block_hash) for r in range(world)]
 
     def update_state_after_alloc(
         self, request: ConnectorRequest, block_ids: list[int], num_external_tokens: int

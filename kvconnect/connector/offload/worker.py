@@ -11,6 +11,13 @@ Per step (worker thread):
 I/O thread: a store goes to the first local tier (cpu or disk); what that tier evicts is demoted
 to the next local tier, or dropped; every redis tier gets the chunk too (shared, write-through).
 A load looks in the tiers in order; a hit below the first local tier is promoted into it.
+What a tier returns must be the chunk asked for: its entry's token ids, parent hash, block
+hashes and block size equal the scheduler's, its data has this rank's chunk shape and dtype
+(`tiers.base.mismatch`; a key names only the last block's hash, and a shared tier holds what
+anyone wrote). An entry that is not, or fails its signature, is a miss like an absent one,
+counted in `num_integrity_misses`; a local tier drops it and announces its BlockRemoved (as it
+does a corrupt entry), a shared one is not ours to change: this rank forgets it wrote it, so
+the next save of the chunk writes it again.
 """
 
 from __future__ import annotations
@@ -33,10 +40,19 @@ from kvconnect.connector.offload.common import (
     OffloadMetadata,
     OffloadWorkerMetadata,
     chunk_key,
+    key_namespace,
 )
 from kvconnect.connector.offload.kinds import TierKind
 from kvconnect.connector.offload.tiers import TierPlacement, create_tier
-from kvconnect.connector.offload.tiers.base import Evicted, Tier, TierError, TierTooSmall
+from kvconnect.connector.offload.tiers.base import (
+    Evicted,
+    IntegrityError,
+    StoredChunk,
+    Tier,
+    TierError,
+    TierTooSmall,
+    mismatch,
+)
 from kvconnect.events import BlockRemoved, BlockStored, KVCacheEvent
 
 logger = logging.getLogger(__name__)
@@ -96,7 +112,11 @@ class OffloadWorker:
         self.context = context
         self.config = config
         self.rank = context.rank
+        self.namespace = key_namespace(
+            context.model_name, context.model_fingerprint, context.block_size, config.chunk_size
+        )
         self.tiers: list[Tier] = []
+        self.placement = TierPlacement(context.world_size, self.rank, namespace=self.namespace)
         self._layers: list[torch.Tensor] = []
         self._lock = threading.Lock()  # guards the fields the I/O thread shares with the step
         self._events: list[KVCacheEvent] = []
@@ -119,11 +139,12 @@ class OffloadWorker:
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
         self._layers = list(kv_caches.values())
         first = self._layers[0]  # [2, num_blocks, block_size, kv_heads, head_dim]
-        placement = TierPlacement(
+        self.placement = placement = TierPlacement(
             self.context.world_size,
             self.rank,
             (len(self._layers), 2, self.config.chunk_size, *first.shape[3:]),
             first.dtype,
+            self.namespace,
         )
         self.tiers = []
         for t in self.config.tiers:
@@ -138,8 +159,7 @@ class OffloadWorker:
         self._thread.start()
 
     def _key(self, info: ChunkInfo) -> str:
-        ctx = self.context
-        return chunk_key(ctx.model_name, ctx.world_size, self.rank, info.last_block_hash)
+        return chunk_key(self.namespace, self.context.world_size, self.rank, info.last_block_hash)
 
     # -- step ---------------------------------------------------------------------------------
 
@@ -152,12 +172,10 @@ class OffloadWorker:
 
     def wait_for_save(self, meta: OffloadMetadata) -> None:
         if meta.shared_gone:  # Redis dropped them: the next save of each writes it again
-            ctx = self.context
+            world = self.context.world_size
             with self._lock:
                 for last in meta.shared_gone:
-                    self._written_shared.discard(
-                        chunk_key(ctx.model_name, ctx.world_size, self.rank, last)
-                    )
+                    self._written_shared.discard(chunk_key(self.namespace, world, self.rank, last))
         bs = self.context.block_size
         for save in meta.saves:
             key = self._key(save.chunk)
@@ -333,17 +351,10 @@ class OffloadWorker:
     def _fetch(self, key: str, info: ChunkInfo) -> torch.Tensor | None:
         local = [i for i, t in enumerate(self.tiers) if not t.shared]
         for i, tier in enumerate(self.tiers):
-            try:
-                data = tier.get(key)
-            except TierError as e:
-                logger.warning("offload: %s", e)
-                with self._lock:
-                    self._count(f"num_{tier.kind}_errors")
-                if not tier.shared:  # the bad entry is gone from the tier
-                    self._emit(removed_event(info, tier.kind))
+            found = self._checked(tier, key, info)
+            if found is None:
                 continue
-            if data is None:
-                continue
+            data = found.data
             with self._lock:
                 self._count(f"{tier.kind}_hits")
                 self._count(f"{tier.kind}_bytes_loaded", data.numel() * data.element_size())
@@ -352,6 +363,46 @@ class OffloadWorker:
             return data
         logger.warning("offload: chunk %s found in no tier", key)
         return None
+
+    def _checked(self, tier: Tier, key: str, info: ChunkInfo) -> StoredChunk | None:
+        """`tier`'s entry for `key` if it is the chunk `info` describes; None otherwise (absent,
+        unreadable, or another chunk: then dropped from a local tier and announced)."""
+        try:
+            found = tier.load(key)
+        except IntegrityError as e:
+            self._integrity_miss(tier, key, info, str(e), dropped=True)
+            return None
+        except TierError as e:
+            logger.warning("offload: %s", e)
+            with self._lock:
+                self._count(f"num_{tier.kind}_errors")
+            if not tier.shared:  # the bad entry is gone from the tier
+                self._emit(removed_event(info, tier.kind))
+            return None
+        if found is None:
+            return None
+        why = mismatch(info, found, self.placement)
+        if why is None:
+            return found
+        self._integrity_miss(tier, key, info, f"chunk {key}: {why}", dropped=False)
+        return None
+
+    def _integrity_miss(
+        self, tier: Tier, key: str, info: ChunkInfo, why: str, dropped: bool
+    ) -> None:
+        """An entry that is not the chunk asked for: a miss, counted and logged; a local tier
+        loses it (announced: BlockRemoved of what it had announced), a shared tier is only
+        written again by this rank's next save of the chunk."""
+        logger.warning("offload: %s tier: integrity miss: %s", tier.kind, why)
+        with self._lock:
+            self._count("num_integrity_misses")
+            self._count(f"num_{tier.kind}_integrity_misses")
+            if tier.shared:
+                self._written_shared.discard(key)
+        if not tier.shared:
+            held = info if dropped else tier.remove(key)
+            if held is not None:
+                self._emit(removed_event(held, tier.kind))
 
     def _reset(self) -> None:
         """Empty the local tiers, announcing exactly what each dropped (a shared tier is not

@@ -72,6 +72,7 @@ def test_disk_tier_budget_restart_and_corruption(tmp_path: Path) -> None:
     assert [e.key for e in evicted] == [chunk(0)[0]]
     assert len(list(tmp_path.glob("*.kvchunk"))) == 2 and not list(tmp_path.glob("*.tmp"))
     # A restart finds the entries again, in LRU order.
+    tier.close()
     again = DiskTier(str(tmp_path), max_bytes=2 * size + 10)
     assert {k for k, _ in again.entries()} == {chunk(1)[0], chunk(2)[0]}
     assert torch.equal(again.get(chunk(2)[0]), chunk(2)[2])  # type: ignore[arg-type]
@@ -105,11 +106,21 @@ def test_disk_keys_never_become_paths_outside_the_root(tmp_path: Path) -> None:
     tier.check_integrity()
 
 
-def test_disk_tier_drops_garbage_files_on_start(tmp_path: Path) -> None:
+def test_disk_tier_leaves_files_that_are_not_its_chunks_alone(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     (tmp_path / "junk.kvchunk").write_bytes(b"not a chunk")
-    tier = DiskTier(str(tmp_path), max_bytes=1 << 20)
-    assert tier.entries() == [] and tier.num_corrupt == 1
-    assert not (tmp_path / "junk.kvchunk").exists()
+    (tmp_path / "other.tmp").write_bytes(b"another writer's file in progress")
+    with caplog.at_level("WARNING"):
+        tier = DiskTier(str(tmp_path), max_bytes=1 << 20)
+    assert tier.entries() == []
+    assert (tmp_path / "junk.kvchunk").read_bytes() == b"not a chunk"
+    assert (tmp_path / "other.tmp").exists()
+    [line] = [r.getMessage() for r in caplog.records if "alone" in r.getMessage()]
+    assert "2 file(s)" in line and "junk.kvchunk" in line and "other.tmp" in line
+    tier.put(*chunk(1))
+    tier.check_integrity()
+    tier.close()
 
 
 def test_redis_tier(fresh_redis: LocalRedis) -> None:
@@ -137,7 +148,9 @@ def test_factory_builds_each_kind_with_its_own_medium(
         ("DiskTier", "STORAGE", "LOCAL", False),
         ("RedisTier", "STORAGE", "REMOTE", True),
     ]
-    assert isinstance(tiers[1], DiskTier) and tiers[1].root == (tmp_path / "tp2-rank1").resolve()
+    root = tiers[1].root if isinstance(tiers[1], DiskTier) else None
+    assert root is not None and root.name == "tp2-rank1" and root.parent.name.startswith("model-")
+    assert root.parent.parent == tmp_path.resolve()
     for t in tiers:
         t.check_integrity()
         t.close()

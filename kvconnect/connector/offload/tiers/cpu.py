@@ -9,7 +9,13 @@ import torch
 
 from kvconnect.connector.offload.common import ChunkInfo, TierConfig
 from kvconnect.connector.offload.kinds import TierKind
-from kvconnect.connector.offload.tiers.base import Evicted, Tier, TierPlacement, TierTooSmall
+from kvconnect.connector.offload.tiers.base import (
+    Evicted,
+    StoredChunk,
+    Tier,
+    TierPlacement,
+    TierTooSmall,
+)
 
 
 class CpuTier(Tier):
@@ -50,12 +56,12 @@ class CpuTier(Tier):
         self._index[key] = (slot, info)
         return evicted
 
-    def get(self, key: str) -> torch.Tensor | None:
+    def load(self, key: str) -> StoredChunk | None:
         entry = self._index.get(key)
         if entry is None:
             return None
         self._index.move_to_end(key)
-        return self._buffer[entry[0]]
+        return StoredChunk(entry[1], self._buffer[entry[0]])
 
     def remove(self, key: str) -> ChunkInfo | None:
         entry = self._index.pop(key, None)

@@ -27,13 +27,22 @@ from kvconnect.connector.offload.tiers.base import (
     Evicted,
     RankKeys,
     RemovalWatcher,
+    StoredChunk,
     Tier,
     TierError,
     TierPlacement,
     pack,
+    read_mac_key,
+    read_secret,
     unpack,
 )
-from kvconnect.connector.offload.tiers.redis_client import ERRORS, KEY_PREFIX, connect, redact
+from kvconnect.connector.offload.tiers.redis_client import (
+    ERRORS,
+    KEY_PREFIX,
+    connect,
+    redact,
+    with_password,
+)
 from kvconnect.connector.offload.tiers.redis_watch import RedisWatcher
 
 logger = logging.getLogger(__name__)
@@ -44,12 +53,24 @@ class RedisTier(Tier):
 
     @classmethod
     def from_config(cls, config: TierConfig, placement: TierPlacement) -> Self:
-        return cls(config.url, config.ttl_s, config.cluster, config.watch)
+        mac_key = read_mac_key(config.hmac_key_file) if config.hmac_key_file else None
+        url = config.url
+        if config.password_file:
+            password = read_secret(config.password_file, "password_file").decode()
+            url = with_password(url, password)
+        return cls(url, config.ttl_s, config.cluster, config.watch, mac_key)
 
     def __init__(
-        self, url: str, ttl_s: float | None = None, cluster: bool = False, watch: bool = True
+        self,
+        url: str,
+        ttl_s: float | None = None,
+        cluster: bool = False,
+        watch: bool = True,
+        mac_key: bytes | None = None,
     ) -> None:
         self.url = redact(url)
+        self.mac_key = mac_key
+        """Chunks are signed with it and must be (see `hmac_key_file`)."""
         self._raw_url = url
         self.ttl_ms = None if ttl_s is None else max(1, round(ttl_s * 1000))
         self.cluster = cluster
@@ -79,6 +100,12 @@ class RedisTier(Tier):
             self._client.ping()
         except ERRORS as e:
             what = "redis cluster tier" if self.cluster else "redis tier"
+            if isinstance(e, redis.AuthenticationError | redis.exceptions.NoPermissionError):
+                raise ValueError(
+                    f"{what} {self.url} refused the URL's credentials ({e}); give "
+                    f"redis://user:password@host:port/db (or redis://:password@... for "
+                    f"requirepass)"
+                ) from None
             raise ValueError(f"{what} {self.url} is unreachable: {e}") from None
 
     def contains(self, key: str) -> bool:
@@ -91,21 +118,21 @@ class RedisTier(Tier):
             return False
 
     def put(self, key: str, info: ChunkInfo, data: torch.Tensor) -> list[Evicted]:
-        value = b"".join(pack(key, info, data))
+        value = b"".join(pack(key, info, data, self.mac_key))
         try:
             self._conn().set(KEY_PREFIX + key, value, px=self.ttl_ms)
         except ERRORS as e:
             raise TierError(self._failed("set", e)) from e
         return []
 
-    def get(self, key: str) -> torch.Tensor | None:
+    def load(self, key: str) -> StoredChunk | None:
         try:
             blob = self._conn().get(KEY_PREFIX + key)
         except ERRORS as e:
             raise TierError(self._failed("get", e)) from e
         if blob is None:
             return None
-        return unpack(blob, key)[1]
+        return StoredChunk(*unpack(blob, key, self.mac_key))
 
     def num_held_prefix(self, chunks: Sequence[Sequence[str]]) -> int:
         """One pipelined round trip: an EXISTS of every rank's key per chunk."""

@@ -8,6 +8,7 @@ use these, with no import cycle between the two.
 from __future__ import annotations
 
 from typing import Any
+from urllib.parse import quote
 
 import redis
 from redis.cluster import RedisCluster
@@ -24,6 +25,18 @@ def redact(url: str) -> str:
     """The URL without its password, for logs."""
     scheme, sep, rest = url.partition("://")
     return f"{scheme}{sep}{rest.rpartition('@')[2]}" if sep else url
+
+
+def with_password(url: str, password: str) -> str:
+    """`url` with `password` in it (quoted; after the URL's user if it names one)."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        raise ValueError(f"redis url {url!r}: no scheme (redis:// or rediss://)")
+    user, at, _ = rest.partition("/")[0].rpartition("@")
+    if at and ":" in user:
+        raise ValueError("the redis url has a password already")
+    host = rest.rpartition("@")[2] if at else rest
+    return f"{scheme}://{user}:{quote(password, safe='')}@{host}"
 
 
 def connect(url: str, cluster: bool = False) -> Any:

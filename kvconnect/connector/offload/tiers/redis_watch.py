@@ -25,9 +25,13 @@ stream. A chunk several instances wrote is announced, and removed, by each of th
 index keeps STORAGE/REMOTE entries per announcing instance (counted for every instance when
 scoring), so each stream balances on its own and no instance needs to know of the others.
 
-A server that forbids CONFIG SET (managed Redis, ACLs) gets one warning naming the setting to
-make by hand; if the flags are already set there, everything works. Without them, what Redis
-drops is found by a load miss (the engine recomputes) and never announced.
+The watcher needs no CONFIG rights. Where the tier's user may not run CONFIG (managed Redis,
+an ACL user such as `~kvconnect:* &__keyevent@* +get +set +exists +ping +subscribe`), the
+operator sets `notify-keyspace-events` to include `Eex` on the server (redis.conf, or
+`CONFIG SET notify-keyspace-events Eex` as an admin), and the watcher checks at start that
+notifications arrive: it writes a probe key that expires at once and waits for its `expired`
+notification (`PROBE_S`). If none comes, one error names the setting that is missing; what
+Redis drops is then found by a load miss (the engine recomputes) and never announced.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ import contextlib
 import logging
 import threading
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -49,6 +54,9 @@ logger = logging.getLogger(__name__)
 NEEDED_FLAGS = "Eex"
 RETRY_S = (0.1, 0.2, 0.5, 1.0, 2.0)
 PING_EVERY_S = 2.0
+PROBE_S = 3.0
+"""How long the start-up check waits for its probe key's expiry to be published (Redis
+expires keys in a background cycle ten times a second)."""
 
 
 def merged_flags(current: str) -> str:
@@ -101,7 +109,9 @@ class RedisWatcher:
         self.num_removed = 0
         self.num_resyncs = 0
         self.enabled_by_us = False
-        self._warned = False
+        self.notifications_checked: bool | None = None
+        """Whether notifications were seen to arrive (probe) or to be configured (CONFIG);
+        None until the first connection."""
         self._thread = threading.Thread(target=self._run, name="kv-redis-watch", daemon=True)
         self._thread.start()
 
@@ -141,9 +151,9 @@ class RedisWatcher:
             try:
                 client = connect(self._raw_url)
                 db = client.connection_pool.connection_kwargs.get("db", 0)
-                self._enable(client)
                 pubsub = client.pubsub(ignore_subscribe_messages=True)
                 pubsub.subscribe(f"__keyevent@{db}__:evicted", f"__keyevent@{db}__:expired")
+                self._enable(client, pubsub)
                 self._check(client, resync=True)
                 self.connected.set()
                 if attempt:
@@ -168,25 +178,55 @@ class RedisWatcher:
                             conn.close()
         self.connected.clear()
 
-    def _enable(self, client: Any) -> None:
-        """Make sure the server publishes evictions and expiries (merging with its flags)."""
+    def _enable(self, client: Any, pubsub: Any) -> None:
+        """Make sure the server publishes evictions and expiries: merge the flags in with
+        CONFIG where allowed, else (first connection only) probe that they are set."""
         try:
             current = client.config_get("notify-keyspace-events").get("notify-keyspace-events", "")
-            wanted = merged_flags(current)
-            if wanted != current:
+        except redis.ResponseError as e:  # no CONFIG rights (ACL, managed Redis)
+            if self.notifications_checked is None:
+                self._probe(client, pubsub, e)
+            return
+        wanted = merged_flags(current)
+        if wanted != current:
+            try:
                 client.config_set("notify-keyspace-events", wanted)
                 self.enabled_by_us = True
-        except redis.ResponseError as e:  # CONFIG forbidden: say once what to set by hand
-            if not self._warned:
-                self._warned = True
-                logger.warning(
-                    "redis tier %s: cannot enable keyspace notifications (%s); set "
-                    "notify-keyspace-events to include %r on the server, or evictions and "
-                    "expiries there are not announced",
+            except redis.ResponseError as e:
+                self._probe(client, pubsub, e)
+                return
+        self.notifications_checked = True
+
+    def _probe(self, client: Any, pubsub: Any, why: Exception) -> None:
+        """A key of ours that expires at once: its `expired` notification must arrive."""
+        probe = f"{KEY_PREFIX}probe/{uuid.uuid4().hex}"
+        client.set(probe, b"", px=1)
+        deadline = time.monotonic() + PROBE_S
+        while time.monotonic() < deadline:
+            message = pubsub.get_message(timeout=0.1)
+            if message is None or message.get("type") != "message":
+                continue
+            if message["data"] in (probe, probe.encode()):
+                self.notifications_checked = True
+                logger.info(
+                    "redis tier %s: no CONFIG rights (%s); keyspace notifications arrive "
+                    "(the server's notify-keyspace-events must include %r for evictions too)",
                     self.url,
-                    e,
+                    why,
                     NEEDED_FLAGS,
                 )
+                return
+            self._dropped(message["data"])
+        self.notifications_checked = False
+        logger.error(
+            "redis tier %s: keyspace notifications are off and this user may not enable them "
+            "(%s): have the operator set notify-keyspace-events to include %r on the server "
+            "(redis.conf or CONFIG SET); until then what Redis evicts or expires is not "
+            "announced",
+            self.url,
+            why,
+            NEEDED_FLAGS,
+        )
 
     def _follow(self, client: Any, pubsub: Any) -> None:
         last_ping = time.monotonic()
