@@ -1,14 +1,15 @@
 """The OpenAI API requests kvconnect serves and routes, validated before anything else runs.
 
     parse(body, CompletionRequest | ChatCompletionRequest) -> the request, or ApiError (400)
-    parse(body, DetokenizeRequest)                          vLLM's POST /detokenize
-    parse_tokenize(body) -> TokenizeCompletionRequest | TokenizeChatRequest
-                                                            vLLM's POST /tokenize, either form
+    (vLLM's /tokenize and /detokenize requests: api/tokenize.py)
 
 Every field is typed (no coercion: "4" and 4.5 are not a max_tokens) and bounded; a bad one is
 a 400 whose body is OpenAI's `{"error": {"message", "type", "param", "code"}}` naming it.
-Unknown fields are ignored, as OpenAI does; fields kvconnect does not implement (logprobs,
-penalties, tools, images...) are refused when set, never silently dropped. The prompt is
+Unknown fields are ignored, as OpenAI does; fields kvconnect does not implement (tools,
+structured output, images...) are refused when set, never silently dropped. Sampling controls
+and logprobs take vLLM's names and bounds (`logprobs` and `top_logprobs` up to vLLM's 20, not
+OpenAI's 5; `logit_bias` values clamped to [-100, 100]); the engine's `SamplingParams` checks
+them again, and the server names the request's field when it refuses one. The prompt is
 checked here for shape; its token ids against the model's vocabulary by the engine.
 
 Shared by `kvconnect serve` and `kvconnect router`, so this imports nothing of the engine.
@@ -38,6 +39,21 @@ N = Annotated[int, msgspec.Meta(ge=1, le=MAX_N)]
 Seed = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
 TokenId = Annotated[int, msgspec.Meta(ge=0, lt=2**31)]
 Stop = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+MAX_LOGPROBS = 20
+"""vLLM's default `max_logprobs`."""
+MAX_LOGIT_BIAS = 1 << 16
+MAX_BAD_WORDS = 1024
+NumLogprobs = Annotated[int, msgspec.Meta(ge=0, le=MAX_LOGPROBS)]
+Penalty = Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)]
+FLOAT32_MAX = 3.4028234663852886e38
+RepetitionPenalty = Annotated[float, msgspec.Meta(gt=0.0, le=FLOAT32_MAX)]
+"""> 0 as vLLM, and within float32 (the sampler's logits): 1e300 is no stronger than 1e38."""
+MinP = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
+MinTokens = Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKENS_LIMIT)]
+LogitBias = Annotated[dict[str, float], msgspec.Meta(max_length=MAX_LOGIT_BIAS)]
+BadWord = Annotated[str, msgspec.Meta(min_length=1, max_length=1024)]
+BIAS_LIMIT = 100.0
+"""OpenAI's range of a logit_bias value; vLLM clamps to it rather than refusing."""
 
 
 class ApiError(Exception):
@@ -75,7 +91,7 @@ class StreamOptions(msgspec.Struct):
     include_usage: bool = False
 
 
-class _Request(msgspec.Struct, kw_only=True):
+class BaseRequest(msgspec.Struct, kw_only=True):
     """What every request shares: the model it is for (None: the one served)."""
 
     model: str | None = None
@@ -84,7 +100,7 @@ class _Request(msgspec.Struct, kw_only=True):
         """`ApiError` if a field kvconnect does not implement is set (types are checked by then)."""
 
 
-class _Sampling(_Request, kw_only=True):
+class _Sampling(BaseRequest, kw_only=True):
     """The fields completions and chat completions share."""
 
     temperature: Temperature | None = None
@@ -103,22 +119,38 @@ class _Sampling(_Request, kw_only=True):
     """vLLM's extension: each choice carries its generated `token_ids` and the prompt's
     `prompt_token_ids` (in a stream: the first chunk has the prompt's, each the delta's)."""
     user: str | None = None
-    # OpenAI fields kvconnect does not implement: allowed only at their neutral values.
-    logprobs: Any = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[str, Any] | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    logit_bias: LogitBias | None = None
+    """Token id (a decimal string, as OpenAI) -> bias added to its logit, clamped to
+    [-100, 100]."""
+    # vLLM's extensions
+    repetition_penalty: RepetitionPenalty | None = None
+    min_p: MinP | None = None
+    min_tokens: MinTokens = 0
+    bad_words: Annotated[list[BadWord], msgspec.Meta(max_length=MAX_BAD_WORDS)] | None = None
+    prompt_logprobs: NumLogprobs | None = None
+    """vLLM's: each prompt token's logprob (the first null) with this many alternatives; not
+    with stream (vLLM refuses them there too, unless 0)."""
 
     def check_unsupported(self) -> None:
-        if self.logprobs not in (None, False):
-            raise ApiError("logprobs are not supported", "logprobs")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                raise ApiError(f"{name} is not supported (only 0)", name)
-        if self.logit_bias:
-            raise ApiError("logit_bias is not supported", "logit_bias")
         if self.stream_options is not None and not self.stream:
             raise ApiError("stream_options is only allowed with stream: true", "stream_options")
+        if self.stream and self.prompt_logprobs:
+            raise ApiError("prompt_logprobs are not available with stream: true", "prompt_logprobs")
+        self.token_biases()
+
+    def token_biases(self) -> dict[int, float] | None:
+        """`logit_bias` with token ids for keys and values clamped, as vLLM reads it."""
+        if not self.logit_bias:
+            return None
+        bad = [k for k in self.logit_bias if not (k.isascii() and k.isdigit())]
+        if bad:
+            raise ApiError(
+                f"logit_bias: keys must be token ids (decimal strings), not {bad[:3]!r}",
+                "logit_bias",
+            )
+        return {int(k): min(BIAS_LIMIT, max(-BIAS_LIMIT, v)) for k, v in self.logit_bias.items()}
 
     @property
     def stops(self) -> tuple[str, ...]:
@@ -135,15 +167,19 @@ class CompletionRequest(_Sampling, kw_only=True):
     """POST /v1/completions."""
 
     prompt: Any
-    max_tokens: PositiveTokens = 16
+    max_tokens: Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKENS_LIMIT)] = 16
+    """0 only with echo (vLLM's): the answer is the prompt alone (scoring it by its logprobs)."""
     echo: bool = False
+    """The prompt before each choice's text (and its tokens' logprobs before the output's)."""
+    logprobs: NumLogprobs | None = None
+    """Each output token's logprob, with this many most likely alternatives."""
     best_of: int | None = None
     suffix: str | None = None
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
-        if self.echo:
-            raise ApiError("echo is not supported", "echo")
+        if self.max_tokens == 0 and not self.echo:
+            raise ApiError("max_tokens must be at least 1 (0 only with echo)", "max_tokens")
         if self.best_of is not None and self.best_of != self.n:
             raise ApiError("best_of other than n is not supported", "best_of")
         if self.suffix:
@@ -214,22 +250,24 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     max_tokens: PositiveTokens | None = None
     max_completion_tokens: PositiveTokens | None = None
     add_generation_prompt: bool = True
-    top_logprobs: int | None = None
+    logprobs: bool | None = False
+    top_logprobs: NumLogprobs | None = None
+    """With `logprobs`: this many most likely alternatives of each token."""
     tools: list[Any] | None = None
     tool_choice: Any = None
     response_format: dict[str, Any] | None = None
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
-        if self.top_logprobs is not None:
-            raise ApiError("logprobs are not supported", "top_logprobs")
+        if self.top_logprobs and not self.logprobs:
+            raise ApiError("top_logprobs needs logprobs: true", "top_logprobs")
         if self.tools:
             raise ApiError("tools are not supported", "tools")
         if self.tool_choice not in (None, "none"):
             raise ApiError("tool_choice is not supported", "tool_choice")
         if self.response_format not in (None, {"type": "text"}):
             raise ApiError("response_format other than text is not supported", "response_format")
-        _check_roles(self.messages)
+        check_roles(self.messages)
 
     @property
     def completion_tokens(self) -> int | None:
@@ -238,10 +276,10 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
 
     def conversation(self) -> list[dict[str, str]]:
         """The messages as a chat template takes them: role and text content."""
-        return _conversation(self.messages)
+        return as_conversation(self.messages)
 
 
-def _check_roles(messages: list[ChatMessage]) -> None:
+def check_roles(messages: list[ChatMessage]) -> None:
     for i, m in enumerate(messages):
         if m.role not in ROLES:
             raise ApiError(
@@ -250,7 +288,7 @@ def _check_roles(messages: list[ChatMessage]) -> None:
             )
 
 
-def _conversation(messages: list[ChatMessage]) -> list[dict[str, str]]:
+def as_conversation(messages: list[ChatMessage]) -> list[dict[str, str]]:
     out = []
     for i, m in enumerate(messages):
         message = {"role": m.role, "content": m.text(i)}
@@ -258,60 +296,6 @@ def _conversation(messages: list[ChatMessage]) -> list[dict[str, str]]:
             message["name"] = m.name
         out.append(message)
     return out
-
-
-# -- vLLM's tokenizer endpoints (vllm/entrypoints/serve/tokenize/protocol.py) -------------------
-
-
-class TokenizeCompletionRequest(_Request, kw_only=True):
-    """POST /tokenize with a prompt: its token ids as /v1/completions runs them."""
-
-    prompt: str
-    add_special_tokens: bool = True
-    """vLLM's: add the tokenizer's own special tokens (BOS); kvconnect's add none (the server
-    says why)."""
-    return_token_strs: bool | None = False
-    """Also return each token's piece of the vocabulary."""
-
-
-class TokenizeChatRequest(_Request, kw_only=True):
-    """POST /tokenize with messages: rendered as /v1/chat/completions renders them."""
-
-    messages: Messages
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-    """End the prompt inside the final message (no end of turn), for the model to continue it;
-    only with add_generation_prompt false."""
-    add_special_tokens: bool = False
-    return_token_strs: bool | None = False
-    # vLLM fields kvconnect does not implement: allowed only unset.
-    chat_template: str | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
-    mm_processor_kwargs: dict[str, Any] | None = None
-    tools: list[Any] | None = None
-
-    def check_unsupported(self) -> None:
-        if self.continue_final_message and self.add_generation_prompt:
-            raise ApiError(
-                "continue_final_message and add_generation_prompt cannot both be true "
-                "(add_generation_prompt is true unless set false)",
-                "continue_final_message",
-            )
-        if self.chat_template is not None:
-            raise ApiError("chat_template is not supported (the model's is used)", "chat_template")
-        for name in ("chat_template_kwargs", "mm_processor_kwargs", "tools"):
-            if getattr(self, name):
-                raise ApiError(f"{name} is not supported", name)
-        _check_roles(self.messages)
-
-    def conversation(self) -> list[dict[str, str]]:
-        return _conversation(self.messages)
-
-
-class DetokenizeRequest(_Request, kw_only=True):
-    """POST /detokenize: token ids back to text (the server checks them against the vocabulary)."""
-
-    tokens: list[int]
 
 
 _TokenIds = list[Annotated[int, msgspec.Meta(ge=0, lt=2**31)]]
@@ -331,39 +315,18 @@ def _token_ids(x: list[Any]) -> list[int] | None:
 
 _PARAM = re.compile(r"at `\$\.?([^`]*)`")
 _MISSING = re.compile(r"missing required field `([^`]*)`")
-R = TypeVar("R", bound=_Request)
+R = TypeVar("R", bound=BaseRequest)
 
 
 def parse(body: bytes, kind: type[R]) -> R:
     """The request in `body`, validated; `ApiError` (400 or 413) naming what is wrong."""
-    _check_size(body)
-    request = _validated(lambda: msgspec.json.decode(body, type=kind, strict=True))
+    check_size(body)
+    request = validated(lambda: msgspec.json.decode(body, type=kind, strict=True))
     request.check_unsupported()
     return request
 
 
-def parse_tokenize(body: bytes) -> TokenizeCompletionRequest | TokenizeChatRequest:
-    """A /tokenize request: the chat form when it has `messages`, else the prompt form."""
-    _check_size(body)
-    fields = _validated(lambda: msgspec.json.decode(body))
-    if not isinstance(fields, dict):
-        raise ApiError("invalid request: the body must be a JSON object")
-    request: TokenizeCompletionRequest | TokenizeChatRequest
-    if "messages" in fields:
-        if "prompt" in fields:
-            raise ApiError("give `prompt` or `messages`, not both", "prompt")
-        request = _validated(lambda: msgspec.convert(fields, TokenizeChatRequest, strict=True))
-    elif "prompt" in fields:
-        request = _validated(
-            lambda: msgspec.convert(fields, TokenizeCompletionRequest, strict=True)
-        )
-    else:
-        raise ApiError("the body needs `prompt` (a string) or `messages` (a chat)", "prompt")
-    request.check_unsupported()
-    return request
-
-
-def _check_size(body: bytes) -> None:
+def check_size(body: bytes) -> None:
     if len(body) > MAX_BODY_BYTES:
         raise ApiError(
             f"request body of {len(body)} bytes is over the limit of {MAX_BODY_BYTES}",
@@ -374,13 +337,13 @@ def _check_size(body: bytes) -> None:
 T = TypeVar("T")
 
 
-def _validated(decode: Callable[[], T]) -> T:
+def validated(decode: Callable[[], T]) -> T:
     """`decode()`, its failures as the 400 that names the field."""
     try:
         return decode()
     except msgspec.ValidationError as e:
         found = _PARAM.search(str(e)) or _MISSING.search(str(e))
-        param = found.group(1) if found else None
+        param = found.group(1).removesuffix("[...]") if found else None
         message = str(e).replace("`$.", "`").replace("`$`", "the body")
         raise ApiError(f"invalid request: {message}", param or None) from None
     except msgspec.DecodeError as e:
@@ -392,12 +355,14 @@ def _validated(decode: Callable[[], T]) -> T:
 __all__ = [
     "MAX_BODY_BYTES",
     "ApiError",
+    "BaseRequest",
     "ChatCompletionRequest",
     "ChatMessage",
     "CompletionRequest",
-    "DetokenizeRequest",
-    "TokenizeChatRequest",
-    "TokenizeCompletionRequest",
+    "Messages",
+    "as_conversation",
+    "check_roles",
+    "check_size",
     "parse",
-    "parse_tokenize",
+    "validated",
 ]

@@ -3,7 +3,9 @@
     completion       {"id": "cmpl-..", "object": "text_completion", "choices": [{"index",
                       "text", "logprobs", "finish_reason", "stop_reason"}], "usage"}
     chat completion  {"id": "chatcmpl-..", "object": "chat.completion", "choices": [{"index",
-                      "message": {"role", "content"}, "finish_reason", ...}], "usage"}
+                      "message": {"role", "content"}, "logprobs", "finish_reason", ...}], "usage"}
+
+`logprobs` come built (serve/logprobs.py: OpenAI's shapes); null when not asked for.
     stream           "data: <chunk>\\n\\n" ... then "data: [DONE]\\n\\n"; with
                       stream_options.include_usage a last chunk with no choices and the usage
 
@@ -66,12 +68,15 @@ class Envelope:
         finish_reason: str | None,
         stop_reason: str | int | None = None,
         token_ids: TokenIds | None = None,
+        logprobs: dict[str, Any] | None = None,
+        prompt_logprobs: list[Any] | None = None,
     ) -> dict[str, Any]:
+        """One choice of a whole answer; `prompt_logprobs` (vLLM's) only in a completion's."""
         if self.chat:
             choice: dict[str, Any] = {
                 "index": index,
                 "message": {"role": "assistant", "content": text},
-                "logprobs": None,
+                "logprobs": logprobs,
                 "finish_reason": finish_reason,
                 "stop_reason": stop_reason,
             }
@@ -79,17 +84,28 @@ class Envelope:
             choice = {
                 "index": index,
                 "text": text,
-                "logprobs": None,
+                "logprobs": logprobs,
                 "finish_reason": finish_reason,
                 "stop_reason": stop_reason,
             }
+            if prompt_logprobs is not None:
+                choice["prompt_logprobs"] = prompt_logprobs
         if token_ids is not None:
             choice["prompt_token_ids"], choice["token_ids"] = token_ids
         return choice
 
-    def body(self, choices: list[dict[str, Any]], usage: Usage) -> dict[str, Any]:
+    def body(
+        self,
+        choices: list[dict[str, Any]],
+        usage: Usage,
+        prompt_logprobs: list[Any] | None = None,
+    ) -> dict[str, Any]:
+        """The whole answer; a chat's `prompt_logprobs` (vLLM's) are the answer's own."""
         obj = "chat.completion" if self.chat else "text_completion"
-        return {**self._head(obj), "choices": choices, "usage": usage.body()}
+        body = {**self._head(obj), "choices": choices, "usage": usage.body()}
+        if prompt_logprobs is not None:
+            body["prompt_logprobs"] = prompt_logprobs
+        return body
 
     def chunk(
         self,
@@ -99,14 +115,15 @@ class Envelope:
         stop_reason: str | int | None = None,
         first: bool = False,
         token_ids: TokenIds | None = None,
+        logprobs: dict[str, Any] | None = None,
     ) -> bytes:
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant"} if first else {}
             if text:
                 delta["content"] = text
-            choice: dict[str, Any] = {"index": index, "delta": delta, "logprobs": None}
+            choice: dict[str, Any] = {"index": index, "delta": delta, "logprobs": logprobs}
         else:
-            choice = {"index": index, "text": text or "", "logprobs": None}
+            choice = {"index": index, "text": text or "", "logprobs": logprobs}
         choice["finish_reason"] = finish_reason
         if finish_reason is not None:
             choice["stop_reason"] = stop_reason

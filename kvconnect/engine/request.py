@@ -13,6 +13,8 @@ from kvconnect.tokenizer import Tokenizer
 
 SAMPLING_EPS = 1e-5
 """Temperatures below this are greedy (vLLM's `_SAMPLING_EPS`)."""
+FLOAT32_MAX = 3.4028234663852886e38
+"""The largest float32: a repetition penalty above it cannot be a sampler value."""
 MAX_LOGPROBS = 20
 """Most alternatives `logprobs` and `prompt_logprobs` may ask for (vLLM's `max_logprobs`)."""
 
@@ -105,8 +107,8 @@ class SamplingParams:
             if not _is_number(getattr(self, name)) or not -2 <= getattr(self, name) <= 2:
                 raise fail(name, "must be a number in [-2, 2]")
         rp = self.repetition_penalty
-        if not _is_number(rp) or not 0 < rp < float("inf"):
-            raise fail("repetition_penalty", "must be a finite number > 0")
+        if not _is_number(rp) or not 0 < rp <= FLOAT32_MAX:  # the sampler's tensors are fp32
+            raise fail("repetition_penalty", f"must be a number in (0, {FLOAT32_MAX:.7g}]")
         if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
             raise fail("min_p", "must be a number in [0, 1]")
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:

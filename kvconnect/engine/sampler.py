@@ -43,7 +43,8 @@ from kvconnect.messages import (
 )
 
 SEED_STRIDE = 1_000_003
-"""A row's generator seed is `seed * SEED_STRIDE + num_output_tokens`."""
+"""A row's generator seed is `seed * SEED_STRIDE + num_output_tokens`, modulo 2**64 (what a
+torch generator takes: a seed near 2**63 would overflow it and kill the worker)."""
 PROMPT_CHUNK = 256
 """Prompt positions whose logits are computed at once (bounds the [positions, vocab] tensor)."""
 TOP_P_HEAD = 256
@@ -309,7 +310,7 @@ class Sampler:
             top_k=torch.tensor([s.top_k for s in reqs], dtype=torch.long),
             top_p=torch.tensor([s.top_p for s in reqs]),
             min_p=torch.tensor([st.options.min_p if st else 0.0 for st in states]),
-            seeds=[s.seed * SEED_STRIDE + s.num_output_tokens for s in reqs],
+            seeds=[(s.seed * SEED_STRIDE + s.num_output_tokens) % 2**64 for s in reqs],
         )
         if any(states):
             self._add_controls(batch, reqs, states)

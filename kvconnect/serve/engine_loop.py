@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 from kvconnect.engine.llm import LLM, EngineInfo, RequestDelta
 from kvconnect.engine.request import Request, SamplingParams
+from kvconnect.messages import PositionLogprobs
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +48,10 @@ class Update:
     stop_reason: str | int | None = None
     request: Request | None = None
     """Set with the last update: the finished request (usage, cached tokens)."""
+    logprobs: list[PositionLogprobs] | None = None
+    """One per token of token_ids, if the job asked (`SamplingParams.logprobs`)."""
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    """With the first update that has tokens, if the job asked: one per prompt token."""
 
 
 @dataclass
@@ -213,7 +218,12 @@ class EngineLoop:
                 continue  # none expected: an aborted request is gone from the engine too
             if delta.token_ids and job.first_token_at is None:
                 job.first_token_at = time.monotonic()
-            update = Update(delta.text, delta.token_ids)
+            update = Update(
+                delta.text,
+                delta.token_ids,
+                logprobs=delta.logprobs,
+                prompt_logprobs=delta.prompt_logprobs,
+            )
             if delta.finished:
                 update.finish_reason = delta.finish_reason
                 update.stop_reason = delta.stop_reason

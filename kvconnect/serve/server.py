@@ -2,9 +2,12 @@
 
     POST /v1/completions        prompt (a string, strings, token ids, lists of token ids), n,
                                 stop, stop_token_ids, max_tokens, temperature, top_p, top_k,
-                                seed, stream (+ stream_options.include_usage), cache_salt
+                                seed, stream (+ stream_options.include_usage), cache_salt;
+                                presence/frequency/repetition penalties, min_p, min_tokens,
+                                logit_bias, bad_words; logprobs, echo, prompt_logprobs
     POST /v1/chat/completions   messages rendered with the model's chat template; the same
-                                sampling fields; streamed as deltas when asked
+                                sampling fields, logprobs + top_logprobs; streamed as deltas
+                                when asked
     GET  /v1/models             the one model served
     POST /tokenize              vLLM's: a prompt, or messages rendered as chat completions
                                 renders them -> count, max_model_len, tokens (token_strs)
@@ -13,13 +16,14 @@
     GET  /health                200 while the engine runs, 503 once it failed
     GET  /metrics               Prometheus (see metrics.py)
 
-Every request is validated here (`api/protocol.py`) and tokenized; the engine checks each
-prompt against its limits, once, when it takes the job, and the server answers only after
-that verdict: a prompt the engine cannot run is a 400 in OpenAI's error body, never a stream
-that starts and then fails. The engine runs on its own thread (`engine_loop.py`), and the
-server knows it only through that loop (`EngineLoop.info`: tokenizer, limits). When the engine
-fails the server answers 503, logs one line and exits with status 1, so that a supervisor
-restarts it. Binds 127.0.0.1 unless told otherwise; one access log line per request.
+Every request is validated (`api/protocol.py`) and turned into jobs (`prepare.py`); the
+engine checks each prompt against its limits, once, when it takes the job, and the server
+answers only after that verdict (`answers.py` builds the answer): a prompt the engine cannot
+run is a 400 in OpenAI's error body, never a stream that starts and then fails. The engine
+runs on its own thread (`engine_loop.py`), and the server knows it only through that loop
+(`EngineLoop.info`: tokenizer, limits). When the engine fails the server answers 503, logs
+one line and exits with status 1, so that a supervisor restarts it. Binds 127.0.0.1 unless
+told otherwise; one access log line per request.
 
 Trust (`ServeOptions`): the listener (`api/connections.py`) caps connections and gives request
 heads and bodies deadlines; `api/auth.py` checks the Bearer key when one is set; a client that
@@ -27,14 +31,6 @@ goes away cancels its handler, whose `finally` aborts its engine requests; `admi
 refuses work beyond the waiting limits with a 503 before anything reaches the engine; a
 deadline (`request_timeout`) aborts a generation with a 504; cached prompt tokens are told only
 with `enable_prompt_tokens_details`.
-
-/tokenize answers with the tokens the engine runs for the same prompt or messages, so that a
-router that tokenizes through it (vllm-router does) hashes the blocks this instance publishes.
-`add_special_tokens` is accepted and adds nothing, because kvconnect puts no special tokens
-around a prompt in any endpoint. For SmolLM2 that is vLLM's answer too: a byte-level BPE gets
-a BOS only when its file says `add_bos_token`, and SmolLM2's does not; the byte model (tiny,
-kvconnect's own) never starts a prompt with its BOS. A checkpoint whose tokenizer.json adds a
-BOS (Llama's) would get one from vLLM and gets none here, in /tokenize as in completions.
 """
 
 from __future__ import annotations
@@ -44,9 +40,7 @@ import logging
 import signal
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
-import msgspec
 from aiohttp import web
 
 from kvconnect import __version__
@@ -58,42 +52,27 @@ from kvconnect.api.protocol import (
     ApiError,
     ChatCompletionRequest,
     CompletionRequest,
-    DetokenizeRequest,
-    TokenizeChatRequest,
-    TokenizeCompletionRequest,
     parse,
-    parse_tokenize,
 )
-from kvconnect.api.responses import DONE, Envelope, Usage, sse
+from kvconnect.api.responses import Envelope, Usage
+from kvconnect.api.tokenize import DetokenizeRequest, parse_tokenize
 from kvconnect.engine.llm import LLM
-from kvconnect.engine.request import Request, SamplingParams
+from kvconnect.engine.request import Request
 from kvconnect.serve.admission import RETRY_AFTER_S, Admission
-from kvconnect.serve.engine_loop import EngineLoop, Failed, Job, Update
+from kvconnect.serve.answers import Answer, Shown, failure
+from kvconnect.serve.engine_loop import EngineLoop, Failed, Job
+from kvconnect.serve.logprobs import TokenText
 from kvconnect.serve.metrics import ServeMetrics
-from kvconnect.tokenizer import (
-    BYTE_BOS,
-    BYTE_EOS,
-    ByteTokenizer,
-    ChatTemplateError,
-    HFTokenizer,
-    Tokenizer,
+from kvconnect.serve.prepare import (
+    GenerateRequest,
+    Prepared,
+    num_logprobs,
+    num_prompt_logprobs,
+    prepare,
 )
+from kvconnect.serve.tokens import detokenize_body, tokenize_body
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class Prepared:
-    """A validated request turned into engine jobs."""
-
-    prompts: list[list[int]]
-    jobs: list[list[Job]]  # per prompt, its n choices
-    param: str
-    """The request field the prompts came from, named in a refusal."""
-
-    @property
-    def all_jobs(self) -> list[Job]:
-        return [job for choices in self.jobs for job in choices]
 
 
 @dataclass(frozen=True)
@@ -136,6 +115,7 @@ class OpenAIServer:
             self.options.max_num_waiting_tokens,
             max_prompt_tokens=self.info.max_model_len,
         )
+        self._token_text = TokenText(self.info.tokenizer)
 
     # -- preparing ----------------------------------------------------------------------------
 
@@ -148,65 +128,6 @@ class OpenAIServer:
                 code="model_not_found",
             )
 
-    def _prepare(
-        self, req: CompletionRequest | ChatCompletionRequest, loop: asyncio.AbstractEventLoop
-    ) -> Prepared:
-        """Tokenize (rendering a chat) and build the jobs; the engine checks the prompts when
-        it takes them. Runs on a worker thread: a huge prompt must not stall the event loop."""
-        tok = self.info.tokenizer
-        if isinstance(req, ChatCompletionRequest):
-            prompts = [tok.encode(self._render(req.conversation(), req.add_generation_prompt))]
-            param = "messages"
-        else:
-            prompts = [p if isinstance(p, list) else tok.encode(p) for p in req.prompts()]
-            param = "prompt"
-        jobs = []
-        for tokens in prompts:
-            max_tokens = self._max_tokens(req, len(tokens))
-            jobs.append(
-                [
-                    Job(tokens, self._params(req, max_tokens, j), loop, cache_salt=req.cache_salt)
-                    for j in range(req.n)
-                ]
-            )
-        return Prepared(prompts, jobs, param)
-
-    def _render(
-        self,
-        conversation: list[dict[str, str]],
-        add_generation_prompt: bool,
-        continue_final_message: bool = False,
-    ) -> str:
-        """The chat as the model's template renders it; `ApiError` naming `messages` if not."""
-        try:
-            text = self.info.tokenizer.apply_chat_template(conversation, add_generation_prompt)
-        except ChatTemplateError as e:
-            raise ApiError(str(e), "messages") from None
-        if continue_final_message:
-            return _continue_final(text, conversation[-1]["content"])
-        return text
-
-    def _max_tokens(self, req: CompletionRequest | ChatCompletionRequest, num_prompt: int) -> int:
-        if isinstance(req, ChatCompletionRequest):
-            given = req.completion_tokens
-            return given if given is not None else max(1, self.info.max_model_len - num_prompt)
-        return req.max_tokens
-
-    @staticmethod
-    def _params(
-        req: CompletionRequest | ChatCompletionRequest, max_tokens: int, j: int
-    ) -> SamplingParams:
-        return SamplingParams(
-            max_tokens=max_tokens,
-            temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p,
-            top_k=0 if req.top_k in (None, -1) else req.top_k,
-            seed=None if req.seed is None else (req.seed + j) % 2**63,
-            stop=req.stops,
-            stop_token_ids=tuple(req.stop_token_ids or ()),
-            ignore_eos=req.ignore_eos,
-        )
-
     # -- handlers -----------------------------------------------------------------------------
 
     async def completions(self, http: web.Request) -> web.StreamResponse:
@@ -218,12 +139,12 @@ class OpenAIServer:
     async def _generate(self, http: web.Request, chat: bool) -> web.StreamResponse:
         loop = asyncio.get_running_loop()
         deadline = self._deadline(loop)
-        req: CompletionRequest | ChatCompletionRequest
+        req: GenerateRequest
         try:
             body = await read_body(http)
             req = parse(body, ChatCompletionRequest) if chat else parse(body, CompletionRequest)
             self._check_model(req.model)
-            prepared = await asyncio.to_thread(self._prepare, req, loop)
+            prepared = await asyncio.to_thread(prepare, req, self.info, loop)
         except ApiError as e:
             return error_response(e)
         jobs = prepared.all_jobs
@@ -236,19 +157,35 @@ class OpenAIServer:
             async with asyncio.timeout_at(None if req.stream else deadline):
                 refused = await self._submit(jobs)
                 if refused is not None:
-                    return error_response(_failure(refused, prepared.param))
-                envelope = Envelope(chat=chat, model=self.model_name)
+                    return error_response(failure(refused, prepared.param))
+                answer = self._answer(req, prepared, chat)
                 if not req.stream:
-                    return await self._collect(envelope, prepared, req.return_token_ids)
-            return await self._stream(
-                http, envelope, prepared, req.include_usage, req.return_token_ids, deadline
-            )
+                    return await answer.collect()
+            return await answer.stream(http, deadline, self._timed_out)
         except TimeoutError:
             return error_response(self._timed_out())
         finally:
             # What is still running when the client is gone (the handler is cancelled), on
             # a deadline or on error.
             self._abort(jobs)
+
+    def _answer(self, req: GenerateRequest, prepared: Prepared, chat: bool) -> Answer:
+        shown = Shown(
+            logprobs=num_logprobs(req),
+            echo=isinstance(req, CompletionRequest) and req.echo,
+            echo_only=isinstance(req, CompletionRequest) and req.max_tokens == 0,
+            prompt_logprobs=num_prompt_logprobs(req) is not None,
+            return_token_ids=req.return_token_ids,
+            include_usage=req.include_usage,
+        )
+        envelope = Envelope(chat=chat, model=self.model_name)
+        return Answer(
+            envelope,
+            prepared,
+            shown,
+            self._token_text,
+            lambda finals: self._usage(prepared, finals),
+        )
 
     def _deadline(self, loop: asyncio.AbstractEventLoop) -> float | None:
         timeout = self.options.request_timeout
@@ -281,105 +218,6 @@ class OpenAIServer:
         self.admission.release(jobs)
         for job in jobs:
             self.engine.abort(job)
-
-    async def _collect(
-        self, envelope: Envelope, prepared: Prepared, return_ids: bool
-    ) -> web.Response:
-        choices: list[dict[str, Any]] = []
-        finals: list[Request] = []
-        for choices_of_prompt in prepared.jobs:
-            for job in choices_of_prompt:
-                text: list[str] = []
-                while True:
-                    update = await job.updates.get()
-                    if isinstance(update, Failed):
-                        return error_response(_failure(update))
-                    text.append(update.text)
-                    if update.request is not None:
-                        break
-                final = update.request
-                ids = (job.prompt, list(final.output_token_ids)) if return_ids else None
-                choices.append(
-                    envelope.choice(
-                        len(choices), "".join(text), update.finish_reason, update.stop_reason, ids
-                    )
-                )
-                finals.append(update.request)
-        return web.json_response(envelope.body(choices, self._usage(prepared, finals)))
-
-    async def _stream(
-        self,
-        http: web.Request,
-        envelope: Envelope,
-        prepared: Prepared,
-        include_usage: bool,
-        return_ids: bool,
-        deadline: float | None,
-    ) -> web.StreamResponse:
-        response = web.StreamResponse(
-            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
-        )
-        await response.prepare(http)
-        merged: asyncio.Queue[tuple[int, Update | Failed]] = asyncio.Queue()
-        jobs = prepared.all_jobs
-
-        async def forward(index: int, job: Job) -> None:
-            while True:
-                update = await job.updates.get()
-                await merged.put((index, update))
-                if isinstance(update, Failed) or update.request is not None:
-                    return
-
-        tasks = [asyncio.create_task(forward(i, job)) for i, job in enumerate(jobs)]
-        try:
-            async with asyncio.timeout_at(deadline):
-                finals = await self._relay(response, envelope, merged, jobs, return_ids)
-            if finals is not None and include_usage:
-                await response.write(envelope.usage_chunk(self._usage(prepared, finals)))
-        except TimeoutError:
-            await response.write(sse(self._timed_out().body()))
-        finally:
-            for t in tasks:
-                t.cancel()
-        await response.write(DONE)
-        await response.write_eof()
-        return response
-
-    async def _relay(
-        self,
-        response: web.StreamResponse,
-        envelope: Envelope,
-        merged: asyncio.Queue[tuple[int, Update | Failed]],
-        jobs: list[Job],
-        return_ids: bool,
-    ) -> list[Request] | None:
-        """Each job's updates as chunks, until all finished (their requests) or one failed
-        (None, its error sent)."""
-        finals: list[Request | None] = [None] * len(jobs)
-        started = [False] * len(jobs)
-        remaining = len(jobs)
-        while remaining:
-            index, update = await merged.get()
-            if isinstance(update, Failed):
-                await response.write(sse(_failure(update).body()))
-                return None
-            if update.text or not started[index] or update.request is not None:
-                ids = (jobs[index].prompt, update.token_ids) if return_ids else None
-                await response.write(
-                    envelope.chunk(
-                        index,
-                        update.text,
-                        update.finish_reason,
-                        update.stop_reason,
-                        first=not started[index],
-                        token_ids=ids,
-                    )
-                )
-                started[index] = True
-            if update.request is not None:
-                finals[index] = update.request
-                remaining -= 1
-        return [r for r in finals if r is not None]
 
     def _usage(self, prepared: Prepared, finals: list[Request]) -> Usage:
         """Prompt tokens once per prompt (its n choices share it), all generated tokens;
@@ -416,60 +254,19 @@ class OpenAIServer:
         try:
             req = parse_tokenize(await read_body(http))
             self._check_model(req.model)
-            body = await asyncio.to_thread(self._tokenize, req)
+            body = await asyncio.to_thread(tokenize_body, self.info, req)
         except ApiError as e:
             return error_response(e)
         return web.Response(body=body, content_type="application/json")
-
-    def _tokenize(self, req: TokenizeCompletionRequest | TokenizeChatRequest) -> bytes:
-        """The response body: the prompt's tokens as the engine would run them. Runs on a
-        worker thread, as `_prepare` does."""
-        tok = self.info.tokenizer
-        if isinstance(req, TokenizeChatRequest):
-            text = self._render(
-                req.conversation(), req.add_generation_prompt, req.continue_final_message
-            )
-            tokens, param = tok.encode(text), "messages"
-        else:
-            tokens, param = tok.encode(req.prompt), "prompt"
-        self._check_length(len(tokens), param)
-        return msgspec.json.encode(
-            {
-                "count": len(tokens),
-                "max_model_len": self.info.max_model_len,
-                "tokens": tokens,
-                "token_strs": _token_strs(tok, tokens) if req.return_token_strs else None,
-            }
-        )
 
     async def detokenize(self, http: web.Request) -> web.Response:
         try:
             req = parse(await read_body(http), DetokenizeRequest)
             self._check_model(req.model)
-            body = await asyncio.to_thread(self._detokenize, req.tokens)
+            body = await asyncio.to_thread(detokenize_body, self.info, req.tokens)
         except ApiError as e:
             return error_response(e)
         return web.Response(body=body, content_type="application/json")
-
-    def _detokenize(self, tokens: list[int]) -> bytes:
-        vocab = self.info.vocab_size
-        bad = next((i for i, t in enumerate(tokens) if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ApiError(
-                f"tokens[{bad}]={tokens[bad]} is not in the vocabulary [0, {vocab})", "tokens"
-            )
-        self._check_length(len(tokens), "tokens")
-        return msgspec.json.encode({"prompt": _decode(self.info.tokenizer, tokens)})
-
-    def _check_length(self, num_tokens: int, param: str) -> None:
-        """vLLM's limit on both endpoints: no more tokens than the model's context."""
-        limit = self.info.max_model_len
-        if num_tokens > limit:
-            raise ApiError(
-                f"{param}: {num_tokens} tokens is more than the model's context of {limit} "
-                "tokens (max_model_len)",
-                param,
-            )
 
     async def version(self, _: web.Request) -> web.Response:
         return web.json_response({"version": __version__})
@@ -482,57 +279,6 @@ class OpenAIServer:
     async def prometheus(self, _: web.Request) -> web.Response:
         text = await asyncio.to_thread(self.metrics.render)
         return web.Response(body=text, content_type="text/plain", charset="utf-8")
-
-
-def _failure(update: Failed, param: str | None = None) -> ApiError:
-    if update.status == 400:
-        return ApiError(update.message, param)
-    return ApiError(update.message, status=update.status, type_="service_unavailable")
-
-
-def _continue_final(text: str, final: str) -> str:
-    """The rendered chat cut right after the final message's content (no end of turn, no next
-    header), as transformers' `continue_final_message` cuts it: after the content as the
-    template kept it, trailing spaces included only if the template kept them."""
-    at = text.rfind(final.strip())
-    if at < 0:
-        raise ApiError(
-            "continue_final_message: the final message's content is not in the rendered chat",
-            "continue_final_message",
-        )
-    kept = len(final.lstrip())
-    if text[at : at + kept] == final:
-        return text[: at + kept]
-    return text[: at + len(final.strip())]
-
-
-def _token_strs(tok: Tokenizer, tokens: list[int]) -> list[str]:
-    """Each token's piece of the vocabulary, as vLLM's `convert_ids_to_tokens` gives it (a
-    byte-level BPE writes a leading space as "Ġ"). The byte model's pieces: printable ASCII as
-    itself, any other byte as "<0xNN>" (how byte-fallback vocabularies name bytes), and its
-    two specials as "<bos>", "<eos>"."""
-    if isinstance(tok, HFTokenizer):
-        # `Tokenizer` offers no piece lookup: the `tokenizers` object behind it does.
-        return [tok._tok.id_to_token(t) or "" for t in tokens]
-    if isinstance(tok, ByteTokenizer):
-        return [_BYTE_PIECES.get(t) or _byte_piece(t) for t in tokens]
-    return [tok.decode([t]) for t in tokens]
-
-
-_BYTE_PIECES = {BYTE_BOS: "<bos>", BYTE_EOS: "<eos>"}
-
-
-def _byte_piece(t: int) -> str:
-    return chr(t) if 0x20 <= t < 0x7F else f"<0x{t:02X}>"
-
-
-def _decode(tok: Tokenizer, tokens: list[int]) -> str:
-    """The text of `tokens` with special tokens kept, as vLLM's /detokenize decodes (so that a
-    rendered chat comes back whole); the byte model's specials have no text."""
-    if isinstance(tok, HFTokenizer):
-        # `Tokenizer.decode` drops special tokens (for generated text): decode underneath.
-        return str(tok._tok.decode(tokens, skip_special_tokens=False))
-    return tok.decode(tokens)
 
 
 def make_app(server: OpenAIServer) -> web.Application:

@@ -88,6 +88,11 @@ COMPLETION_FIELDS = [
     "presence_penalty",
     "frequency_penalty",
     "logit_bias",
+    "repetition_penalty",
+    "min_p",
+    "min_tokens",
+    "bad_words",
+    "prompt_logprobs",
     "echo",
     "best_of",
     "suffix",
@@ -114,6 +119,26 @@ BAD_MESSAGES = [
     '[{"role": "user", "content": "hi", "name": 3}]',
     '["hi"]',
     '[{"role": "user", "content": "' + "{{ 7*7 }}{% for x in range(99999999) %}" + '"}]',
+]
+
+# Sampling controls and logprobs at their limits and in odd company: each a 200 or a 400.
+EXTREMES: list[dict[str, object]] = [
+    {"logprobs": 20, "echo": True, "prompt": "z" * 500, "n": 16, "max_tokens": 8},
+    {"logprobs": 20, "echo": True, "prompt": [256] * 600},
+    {"prompt_logprobs": 20, "logprobs": 0, "n": 4, "stream": True},
+    {"prompt_logprobs": 0, "stream": True, "echo": True},
+    {"logprobs": True, "top_logprobs": 20, "stream": True, "max_tokens": 20},
+    {"logit_bias": {str(i): -100 for i in range(258)}, "temperature": 1},
+    {"logit_bias": {str(i): 1e300 for i in range(300)}},
+    {"logit_bias": {"0" * 400 + "1": 5, "1" * 30: 5}},
+    {"bad_words": ["a" * 1000 + str(i) for i in range(1000)], "max_tokens": 16},
+    {"bad_words": [chr(i) for i in range(33, 256)], "min_tokens": 4, "max_tokens": 4},
+    {"bad_words": [" ", "\t"]},
+    {"repetition_penalty": 1e-300, "temperature": 1, "max_tokens": 8},
+    {"repetition_penalty": 1e300, "presence_penalty": -2, "frequency_penalty": -2},
+    {"min_p": 1, "top_p": 1e-9, "top_k": 1, "temperature": 2, "seed": 2**63 - 1},
+    {"min_tokens": 2**20, "max_tokens": 2**20},
+    {"min_tokens": 8, "max_tokens": 8, "stop": ["a"], "stop_token_ids": [257]},
 ]
 
 VALID_COMPLETION = {"prompt": "hello", "max_tokens": 1}
@@ -166,6 +191,16 @@ def probes(seed: int, router: bool) -> list[Probe]:
             Probe("PUT", path, valid),
             Probe("DELETE", path, b""),
         ]
+    for extreme in EXTREMES:
+        out.append(
+            Probe("POST", "/v1/completions", json.dumps({**VALID_COMPLETION, **extreme}).encode())
+        )
+        chat = {k: v for k, v in extreme.items() if k not in ("prompt", "echo", "prompt_logprobs")}
+        if isinstance(chat.get("logprobs"), int) and chat["logprobs"] is not True:
+            chat["top_logprobs"], chat["logprobs"] = chat["logprobs"], True
+        out.append(
+            Probe("POST", "/v1/chat/completions", json.dumps({**VALID_CHAT, **chat}).encode())
+        )
     for messages in BAD_MESSAGES:
         out.append(
             Probe("POST", "/v1/chat/completions", with_field(VALID_CHAT, "messages", messages))

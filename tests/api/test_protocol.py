@@ -51,9 +51,21 @@ def refused(raw: bytes, kind: Any = CompletionRequest) -> ApiError:
         ({"prompt": "x", "stop_token_ids": [-1]}, "stop_token_ids[0]"),
         ({"prompt": "x", "stream": "yes"}, "stream"),
         ({"prompt": "x", "stream_options": {"include_usage": 1}}, "stream_options.include_usage"),
-        ({"prompt": "x", "logprobs": 3}, "logprobs"),
-        ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
-        ({"prompt": "x", "echo": True}, "echo"),
+        ({"prompt": "x", "logprobs": 21}, "logprobs"),
+        ({"prompt": "x", "logprobs": True}, "logprobs"),
+        ({"prompt": "x", "prompt_logprobs": -1}, "prompt_logprobs"),
+        ({"prompt": "x", "prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
+        ({"prompt": "x", "presence_penalty": 2.5}, "presence_penalty"),
+        ({"prompt": "x", "frequency_penalty": -3}, "frequency_penalty"),
+        ({"prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),
+        ({"prompt": "x", "min_p": 1.5}, "min_p"),
+        ({"prompt": "x", "min_tokens": -1}, "min_tokens"),
+        ({"prompt": "x", "logit_bias": {"a": 1}}, "logit_bias"),
+        ({"prompt": "x", "logit_bias": {"-3": 1}}, "logit_bias"),
+        ({"prompt": "x", "logit_bias": {"3": "up"}}, "logit_bias"),
+        ({"prompt": "x", "logit_bias": [3]}, "logit_bias"),
+        ({"prompt": "x", "bad_words": "no"}, "bad_words"),
+        ({"prompt": "x", "echo": "yes"}, "echo"),
         ({"prompt": "x", "best_of": 3}, "best_of"),
         ({"prompt": 123}, "prompt"),
         ({"prompt": None}, "prompt"),
@@ -138,3 +150,24 @@ def test_chat_messages_roles_text_parts_and_unsupported_features() -> None:
         "tools"
     )
     assert refused(body(messages=[{"role": "user"}], max_tokens=0), kind).param == "max_tokens"
+
+
+def test_logprobs_and_sampling_controls_take_vllms_names_and_bounds() -> None:
+    chat = ChatCompletionRequest
+    hi = [{"role": "user", "content": "hi"}]
+    ok = parse(body(messages=hi, logprobs=True, top_logprobs=20), chat)
+    assert (ok.logprobs, ok.top_logprobs) == (True, 20)
+    assert refused(body(messages=hi, logprobs=True, top_logprobs=21), chat).param == (
+        "top_logprobs"
+    )
+    assert refused(body(messages=hi, top_logprobs=2), chat).param == "top_logprobs"
+    assert refused(body(messages=hi, logprobs=3), chat).param == "logprobs"
+    assert parse(body(messages=hi, top_logprobs=0), chat).top_logprobs == 0
+    req = parse(
+        body(prompt="x", logprobs=20, echo=True, logit_bias={"7": 250, "8": -1e9, "9": 0.5}),
+        CompletionRequest,
+    )
+    assert req.token_biases() == {7: 100.0, 8: -100.0, 9: 0.5}  # clamped, as vLLM
+    assert parse(body(prompt="x", logit_bias={}), CompletionRequest).token_biases() is None
+    both = parse(body(messages=hi, min_p=0.1, min_tokens=2, bad_words=["a b"]), chat)
+    assert (both.min_p, both.min_tokens, both.bad_words) == (0.1, 2, ["a b"])

@@ -227,6 +227,7 @@ def test_logprobs_are_the_raw_log_softmax_with_vllm_ranks() -> None:
         ("frequency_penalty", float("nan")),
         ("repetition_penalty", 0.0),
         ("repetition_penalty", float("inf")),
+        ("repetition_penalty", 1e300),  # no float32: the sampler could not hold it
         ("min_p", 1.5),
         ("min_p", True),
         ("min_tokens", -1),

@@ -144,6 +144,37 @@ def test_streaming_passes_through(cluster: tuple[list[Serve], RouterProcess]) ->
     assert chunks[-1]["usage"]["completion_tokens"] == 5
 
 
+def test_logprobs_and_sampling_fields_pass_through_unchanged(
+    cluster: tuple[list[Serve], RouterProcess],
+) -> None:
+    """The router's answer is the instance's own: the same request sent to the instance it
+    chose gives the same logprobs, echo and prompt logprobs (greedy, so both are the same)."""
+    engines, router = cluster
+    fields = {
+        "max_tokens": 4,
+        "temperature": 0,
+        "ignore_eos": True,
+        "logprobs": 2,
+        "echo": True,
+        "frequency_penalty": 1.5,
+        "logit_bias": {"66": 3.5},
+        "min_tokens": 2,
+        "bad_words": ["q"],
+    }
+    routed, where = complete(router, "pass me through", **fields)
+    engine = next(e for e in engines if e.url == where)
+    status, direct, _ = post(
+        engine.url + "/v1/completions", {"prompt": "pass me through", **fields}
+    )
+    assert status == 200, direct
+    mine, theirs = routed["choices"][0], direct["choices"][0]
+    assert mine["logprobs"]["tokens"][:15] == list("pass me through")
+    assert mine["logprobs"]["token_logprobs"][0] is None
+    assert len(mine["prompt_logprobs"]) == 15
+    for key in ("text", "logprobs", "prompt_logprobs"):
+        assert mine[key] == theirs[key], key
+
+
 def send_many(router: RouterProcess, n: int) -> list[str]:
     """Where `n` new cold prompts (cached nowhere) went."""
     tag = uuid.uuid4().hex
