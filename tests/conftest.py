@@ -15,7 +15,9 @@ gives that its meaning here:
                    under test, not a machine that is busy with others
     alone          a unit marked `alone` runs with every other worker idle: it keeps both
                    cores busy itself, and tests beside it (even ones that start no process)
-                   would time a starved machine
+                   would time a starved machine. They run first: later, another worker always
+                   holds a unit (a worker runs its last test only once it has the next one),
+                   so they would wait for ever
 
 The units are decided where fixtures are known, on the workers at collection, and reach the
 scheduler (in the controlling process) through a file: xdist 3.8's own loadgroup marks its
@@ -148,6 +150,8 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
                 return False
             if scope in self.alone:
                 return not others
+            if any(unit in self.alone for unit in self.workqueue):
+                return False  # the alone units first, while nothing else is running
             if others & self.solo:
                 return scope not in self.heavy and scope not in self.solo
             if scope in self.solo:
