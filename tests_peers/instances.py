@@ -78,6 +78,7 @@ class Instance:
             str(self.num_kv_blocks),
             "--kv-events-config",
             json.dumps({"enable_kv_cache_events": True}),
+            "--enable-prompt-tokens-details",  # the tests read cached_tokens
         ]
         if self.tiers:
             transfer = {
