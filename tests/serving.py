@@ -11,6 +11,8 @@ import subprocess
 import sys
 import threading
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -211,3 +213,18 @@ def post(url: str, body: bytes | dict[str, Any], timeout: float = 60.0) -> tuple
         return status, json.loads(raw), headers
     except ValueError:
         return status, raw.decode(errors="replace"), headers
+
+
+@contextmanager
+def serve_behind_router(tmp: Path, *serve_args: str) -> Iterator[tuple[Serve, RouterProcess]]:
+    """One `kvconnect serve` and a router in front of it, for a module's tests; on the way out
+    the router stops, then serve, which must exit cleanly (Ctrl-C: status 0)."""
+    server = Serve(tmp, *serve_args)
+    server.start()
+    router = RouterProcess(tmp, [server])
+    try:
+        router.start()
+        yield server, router
+    finally:
+        router.stop()
+        assert server.stop() == 0, server.logs()

@@ -16,7 +16,7 @@ from openai.types import Completion
 from kvconnect import LLM, SamplingParams
 from kvconnect.messages import PositionLogprobs
 from kvconnect.tokenizer import ByteTokenizer
-from tests.serving import RouterProcess, Serve, post
+from tests.serving import RouterProcess, Serve, post, serve_behind_router
 
 pytestmark = pytest.mark.slow
 
@@ -42,16 +42,8 @@ def assert_shown(token_id: int, shown: str) -> None:
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Serve, RouterProcess]]:
-    tmp = tmp_path_factory.mktemp("logprobs")
-    server = Serve(tmp)
-    server.start()
-    router = RouterProcess(tmp, [server])
-    try:
-        router.start()
-        yield server, router
-    finally:
-        router.stop()
-        assert server.stop() == 0, server.logs()
+    with serve_behind_router(tmp_path_factory.mktemp("logprobs")) as both:
+        yield both
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ from typing import Any
 import openai
 import pytest
 
-from tests.serving import RouterProcess, Serve, get, post
+from tests.serving import RouterProcess, Serve, get, post, serve_behind_router
 
 pytestmark = pytest.mark.slow
 
@@ -17,16 +17,10 @@ GREEDY: dict[str, Any] = {"temperature": 0, "extra_body": {"ignore_eos": True}}
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Serve, RouterProcess]]:
-    tmp = tmp_path_factory.mktemp("openai")
-    server = Serve(tmp, "--enable-prompt-tokens-details")
-    server.start()
-    router = RouterProcess(tmp, [server])
-    try:
-        router.start()
-        yield server, router
-    finally:
-        router.stop()
-        assert server.stop() == 0, server.logs()  # Ctrl-C: a clean exit
+    with serve_behind_router(
+        tmp_path_factory.mktemp("openai"), "--enable-prompt-tokens-details"
+    ) as both:
+        yield both
 
 
 @pytest.fixture(params=["serve", "router"])

@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from kvconnect.tokenizer import BYTE_EOS
-from tests.serving import RouterProcess, Serve
+from tests.serving import RouterProcess, Serve, serve_behind_router
 
 pytestmark = pytest.mark.slow
 
@@ -22,16 +22,8 @@ MESSAGES: Any = [{"role": "user", "content": "Hello"}]
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Serve, RouterProcess]]:
-    tmp = tmp_path_factory.mktemp("sampling")
-    server = Serve(tmp)
-    server.start()
-    router = RouterProcess(tmp, [server])
-    try:
-        router.start()
-        yield server, router
-    finally:
-        router.stop()
-        assert server.stop() == 0, server.logs()
+    with serve_behind_router(tmp_path_factory.mktemp("sampling")) as both:
+        yield both
 
 
 @pytest.fixture(params=["serve", "router"])
