@@ -130,7 +130,12 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
         type=positive_int,
         default=1,
         dest="tp",
-        help="tensor-parallel worker processes",
+        help="tensor-parallel ranks",
+    )
+    p.add_argument(
+        "--distributed-executor-backend",
+        choices=("uni", "mp"),
+        help="uni: the model in this process (the default at one rank); mp: a process per rank",
     )
     p.add_argument("--block-size", type=positive_int, default=16, help="tokens per block")
     p.add_argument("--num-kv-blocks", type=positive_int, default=1024, help="KV cache blocks")

@@ -59,6 +59,7 @@ def run_generate(args: argparse.Namespace, out: TextIO) -> int:
     with LLM(
         args.model,
         tensor_parallel_size=args.tp,
+        distributed_executor_backend=args.distributed_executor_backend,
         block_size=args.block_size,
         enable_prefix_caching=not args.no_prefix_caching,
         kv_transfer_config=args.kv_transfer_config,

@@ -39,6 +39,7 @@ def run_serve(args: argparse.Namespace) -> int:
     llm = LLM(
         args.model,
         tensor_parallel_size=args.tp,
+        distributed_executor_backend=args.distributed_executor_backend,
         block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks,
         max_model_len=args.max_model_len,

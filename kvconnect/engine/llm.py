@@ -6,7 +6,8 @@
     llm.shutdown()
 
 The scheduler (block pool, scheduler-role connector, event publisher) lives in this process;
-the model runs in `tensor_parallel_size` worker processes.
+the model runs in it too at tensor_parallel_size 1, else in one worker process per rank
+(`engine/executor.py`).
 
 A server drives it through this surface alone, from one thread (`serve/engine_loop.py`):
 
@@ -34,10 +35,12 @@ from kvconnect.config import KVEventsConfig, KVTransferConfig
 from kvconnect.connector.base import KVConnectorBase, KVConnectorRole
 from kvconnect.connector.registry import KVConnectorFactory
 from kvconnect.engine.block_pool import BlockPool
-from kvconnect.engine.executor import EngineDeadError, Executor
+from kvconnect.engine.executor import BACKENDS, EngineDeadError, Executor, default_backend
+from kvconnect.engine.multiproc_executor import MultiprocExecutor
 from kvconnect.engine.output import OutputProcessor, RequestDelta, RequestState, request_output
 from kvconnect.engine.request import Request, RequestOutput, RequestStatus, SamplingParams
 from kvconnect.engine.scheduler import Scheduler, SchedulerConfig
+from kvconnect.engine.uniproc_executor import UniProcExecutor
 from kvconnect.engine.worker import WorkerConfig
 from kvconnect.hashing import DEFAULT_ALGORITHM
 from kvconnect.messages import SchedulerOutput
@@ -136,9 +139,12 @@ class LLM:
         hash_seed: str | None = None,
         data_parallel_rank: int = 0,
         step_timeout: float = 60.0,
+        distributed_executor_backend: str | None = None,
     ) -> None:
         """Load the model's config and tokenizer, build the scheduler side (connector,
-        publisher, block pool, scheduler), then start the workers."""
+        publisher, block pool, scheduler), then start the workers: in this process for one
+        rank (`distributed_executor_backend` "uni", vLLM's default there), else (or with "mp")
+        one process per rank."""
         transfer = as_config(KVTransferConfig, kv_transfer_config)
         events = as_config(KVEventsConfig, kv_events_config)
         self.model = model
@@ -170,7 +176,8 @@ class LLM:
             enable_prefix_caching,
             events is not None and events.enable_kv_cache_events,
         )
-        self.executor = self._start_executor(worker_config, step_timeout)
+        backend = distributed_executor_backend or default_backend(tensor_parallel_size)
+        self.executor = self._start_executor(worker_config, backend, step_timeout)
         self.outputs = OutputProcessor(self.tokenizer)
         self._states: dict[str, RequestState] = {}
         self._progressed: dict[str, None] = {}  # an ordered set: stepped since the last take
@@ -199,11 +206,18 @@ class LLM:
         )
         return Scheduler(config, pool, self.connector, self.publisher)
 
-    def _start_executor(self, config: WorkerConfig, step_timeout: float) -> Executor:
+    def _start_executor(self, config: WorkerConfig, backend: str, step_timeout: float) -> Executor:
         """Start the workers; if they cannot start, the publisher's sockets are closed too."""
         expected = self.connector.get_finished_count() if self.connector else None
         try:
-            return Executor(config, expected_finished_count=expected, step_timeout=step_timeout)
+            if backend not in BACKENDS:
+                raise ValueError(
+                    f"distributed_executor_backend={backend!r}: expected one of "
+                    + ", ".join(BACKENDS)
+                )
+            if backend == "uni":
+                return UniProcExecutor(config, expected_finished_count=expected)
+            return MultiprocExecutor(config, expected, step_timeout=step_timeout)
         except BaseException:
             self.publisher.shutdown()
             raise

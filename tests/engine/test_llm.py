@@ -199,7 +199,7 @@ def test_an_aborted_request_is_never_reported_again_and_its_blocks_come_back() -
 
 
 def test_check_alive_notices_a_dead_worker_fails_every_request_and_shuts_down() -> None:
-    llm = LLM("tiny")
+    llm = LLM("tiny", distributed_executor_backend="mp")
     llm.check_alive()  # all well: nothing happens
     waiting = llm.add_request("Hello", SamplingParams(max_tokens=4))
     (pid,) = llm.executor.worker_pids

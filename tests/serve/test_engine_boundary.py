@@ -82,7 +82,7 @@ def test_a_job_aborted_before_the_engine_takes_it_never_runs() -> None:
 
 
 def test_a_dead_worker_fails_what_is_in_flight_and_refuses_more() -> None:
-    llm = LLM("tiny")
+    llm = LLM("tiny", distributed_executor_backend="mp")
     fatal = threading.Event()
     engine = EngineLoop(llm, on_fatal=lambda _: fatal.set())
 
