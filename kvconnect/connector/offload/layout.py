@@ -73,10 +73,18 @@ def from_kv_planes(name: str, kv: torch.Tensor) -> torch.Tensor:
 
 
 def from_logical(
-    name: str, view: torch.Tensor, num_blocks: int, kv_width: int | None, layout: str
+    name: str,
+    view: torch.Tensor,
+    num_blocks: int,
+    kv_width: int | None,
+    layout: str,
+    kv_rows: bool = False,
 ) -> torch.Tensor:
     """vLLM 0.33's logical per-layer view [B * R, H, N, C] (any physical order) as the 6-dim
-    view; `kv_width` splits C into (K, V) planes of that width when C holds exactly two."""
+    view. What C holds is the attention backend's: `kv_width` splits a token's C into K and V
+    planes of that width (flash-style backends: `split(head_size, dim=-1)`); `kv_rows` reads
+    a (block, head)'s [N, C] as K rows then V rows of C / 2 (CPU_ATTN:
+    `view(blocks, heads, 2 * N, -1).chunk(2, dim=2)`); neither: one opaque run per token."""
     if view.dim() != 4 or view.shape[0] % num_blocks:
         raise refusal(
             name, layout, view, f"not [blocks x k, heads, tokens, content] ({num_blocks} blocks)"
@@ -84,6 +92,12 @@ def from_logical(
     if view.stride(3) != 1:
         raise refusal(name, layout, view, "its content is not contiguous")
     blocks = view.view(num_blocks, view.shape[0] // num_blocks, *view.shape[1:])  # [B, R, H, N, C]
+    if kv_rows:
+        b, r, h, n, c = blocks.shape
+        if c % 2 or blocks.stride(3) != c:
+            raise refusal(name, layout, view, "K and V rows need each (block, head) contiguous")
+        rows = blocks.view(b, r, h, 2, n, c // 2)  # [B, R, H, 2, N, D]
+        return as_storable(rows.permute(0, 1, 4, 2, 3, 5))
     blocks = blocks.permute(0, 1, 3, 2, 4)  # [B, R, N, H, C]
     if kv_width is not None and blocks.shape[-1] == 2 * kv_width:
         return as_storable(blocks.view(*blocks.shape[:-1], 2, kv_width))

@@ -295,3 +295,27 @@ def test_a_chunk_holds_k_then_v_per_token_and_head(layout: str) -> None:
             for head in range(3):
                 assert torch.equal(chunk[layer, 0, t, head], view[block, head, t % BS, :2])
                 assert torch.equal(chunk[layer, 1, t, head], view[block, head, t % BS, 2:])
+
+
+def test_cpu_attn_k_rows_then_v_rows_are_the_k_and_v_planes() -> None:
+    """CPU_ATTN (LBHNC only) reads a (block, head) as N K rows then N V rows."""
+    raw, views = allocate_like_vllm(LAYOUTS["LBHNC"], SPECS["full_fp32"])
+    fill_known(views)
+    expected = [v.clone() for v in views]
+    paged = PagedKV.from_views(
+        {
+            f"l{i}": from_logical(f"l{i}", v, BLOCKS, 2, "LBHNC", kv_rows=True)
+            for i, v in enumerate(views)
+        }
+    )
+    chunk = paged.gather([4])
+    rows = views[1][4].reshape(3, 2, BS, 2)  # [H, K/V, N, D] as CPU_ATTN's chunk(2, dim=2)
+    assert torch.equal(chunk[1, 0], rows[:, 0].transpose(0, 1))
+    assert torch.equal(chunk[1, 1], rows[:, 1].transpose(0, 1))
+    worker = make_worker()
+    worker.register_paged_kv(paged)
+    try:
+        save_clear_load(worker, raw, [4, 0], [2, 3])
+        check_moved(expected, views, [4, 0], [2, 3])
+    finally:
+        worker.shutdown()
