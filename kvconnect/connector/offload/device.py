@@ -134,8 +134,9 @@ class CudaOps(DeviceOps):
         return torch.empty(host.shape, dtype=host.dtype).copy_(host) if host.is_pinned() else host
 
     def to_device(self, host: torch.Tensor, device: torch.device) -> torch.Tensor:
-        pinned = host if host.is_pinned() else host.pin_memory()
-        # torch keeps `pinned` from reuse until the copy queued here has run.
+        pinned = torch.empty(host.shape, dtype=host.dtype, pin_memory=True)
+        pinned.copy_(host)  # contiguous and pinned, so the copy below is queued, not waited
+        # torch's pinned pool keeps `pinned` from reuse until the copy queued here has run.
         return pinned.to(device, non_blocking=True)
 
 

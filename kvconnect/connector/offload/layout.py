@@ -176,7 +176,12 @@ class PagedKV:
         return (len(self.layers), planes, num_tokens, heads, dim)
 
     def _ids(self, block_ids: Sequence[int]) -> torch.Tensor:
-        return torch.tensor(list(block_ids), dtype=torch.long, device=self.device)
+        ids = torch.tensor(list(block_ids), dtype=torch.long)
+        if self.device.type == "cpu":
+            return ids
+        # From pageable memory the copy would first wait for the stream (which may be waiting
+        # for the forward); from pinned memory it is queued and the host goes on.
+        return ids.pin_memory().to(self.device, non_blocking=True)
 
     def gather(self, block_ids: Sequence[int]) -> torch.Tensor:
         """The blocks' KV as a chunk [layers, P, len(block_ids) * block_size, H, D], a new
