@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
-SRC    := kvconnect tests tests_vllm tests_peers bench
+SRC    := kvconnect tests tests_vllm tests_peers tests_gpu bench
 
 VLLM   := .vllm
 PEERS  := .peers

@@ -42,7 +42,9 @@ from kvconnect.events import BlockRemoved, BlockStored, decode_batch
 
 PROMPT_TOKENS = int(os.environ.get("KVCONNECT_GPU_PROMPT_TOKENS", "8000"))
 """8k; a rehearsal on vLLM for CPU takes a shorter one."""
-CHUNK, BLOCK, OUTPUT_TOKENS = 256, 16, 16
+BLOCK = int(os.environ.get("KVCONNECT_GPU_BLOCK_SIZE", "16"))
+"""vLLM's GPU default; vLLM on CPU takes multiples of 32."""
+CHUNK, OUTPUT_TOKENS = 256, 16
 START_TIMEOUT, WAIT_TIMEOUT = 300.0, 120.0
 
 
@@ -130,7 +132,7 @@ class Server:
     def __init__(self, model: Path, tp: int, work: Path) -> None:
         self.model, self.tp, self.work = model, tp, work
         self.port = free_port()
-        self.events = f"tcp://127.0.0.1:{free_port()}"
+        self.events = f"ipc://{work}/events"  # vLLM binds ipc endpoints (a tcp host: connects)
         self.log = work / f"vllm-tp{tp}.log"
         self.proc: subprocess.Popen[bytes] | None = None
 

@@ -251,7 +251,8 @@ class OffloadWorker:
             ops.wait(Stream.COPY, ready)
             data = ops.to_host(paged.gather(block_ids))
             copied = ops.record(Stream.COPY)
-        self._unfenced.append(copied)
+        if copied is not None:  # a host cache's copy is done already (SyncOps: no event)
+            self._unfenced.append(copied)
         return StoreJob(key, info, data, copied)
 
     def _only_shared(self) -> bool:

@@ -169,3 +169,16 @@ def test_a_step_without_saves_or_loads_touches_no_stream() -> None:
         assert ops.log == []
     finally:
         worker.shutdown()
+
+
+def test_a_host_cache_keeps_no_copy_to_wait_for() -> None:
+    """kvconnect's own engine never calls handle_preemptions: nothing may pile up."""
+    worker = make_worker()
+    worker.register_kv_caches({"l": torch.zeros(2, BLOCKS, BS, 2, 4)})
+    try:
+        for i in range(3):
+            worker.wait_for_save(OffloadMetadata(saves=[SaveSpec(info(i + 1), [i, i + 1])]))
+        assert worker.drain(WAIT)
+        assert worker._unfenced == []
+    finally:
+        worker.shutdown()
