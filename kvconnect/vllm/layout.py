@@ -29,6 +29,7 @@ descriptors; a vLLM without them has its caches recognised by shape (CPU_ATTN, f
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Mapping
 from typing import Any
 
@@ -47,6 +48,8 @@ from kvconnect.connector.offload.layout import (
     from_logical,
     refusal,
 )
+
+logger = logging.getLogger(__name__)
 
 SUPPORTED_KINDS = ("full_attention", "mla_attention")
 """KV cache spec kinds whose blocks hold every token's KV for as long as the request runs."""
@@ -72,6 +75,7 @@ def paged_kv(
     group = transfer_group(kv_cache_config)
     num_blocks = kv_cache_config.num_blocks
     views: dict[str, torch.Tensor] = {}
+    backends: set[str | None] = set()
     for name in group.layer_names:
         if name not in kv_caches:
             raise LayoutError(f"kvconnect OffloadConnector: layer {name}: no KV cache tensor")
@@ -81,9 +85,22 @@ def paged_kv(
         why = unsupported(spec, block_size) or mismatch(kv, spec, num_blocks, layout)
         if why is not None:
             raise refusal(name, where, kv, why)
+        backends.add(backend_name(vllm_config, name))
         kv_rows = backend_name(vllm_config, name) == "CPU_ATTN"
         views[name] = from_logical(name, kv, num_blocks, kv_width(spec), where, kv_rows)
-    return PagedKV.from_views(views)
+    paged = PagedKV.from_views(views)
+    logger.info(
+        "kvconnect OffloadConnector: KV cache %s, %s, backend %s: %d layers stored (of %d), "
+        "a block as [layers, planes, tokens, heads, dim]: %s %s",
+        layout,
+        get_kv_cache_spec_kind(group.kv_cache_spec).value,
+        ", ".join(sorted(str(b) for b in backends)),
+        len(paged.layers),
+        len(views),
+        list(paged.chunk_shape(block_size)),
+        paged.dtype,
+    )
+    return paged
 
 
 def backend_name(vllm_config: Any, layer: str) -> str | None:
