@@ -302,6 +302,7 @@ def serve(args: argparse.Namespace) -> None:
         print(run_checks(server, f"{args.name} TP={args.tp}"), flush=True)
     finally:
         server.stop()
+        shutil.copy(server.log, work.parent / server.log.name)  # kept for a post-mortem
     shutil.rmtree(work, ignore_errors=True)
 
 
