@@ -4,7 +4,8 @@
     VllmConfig (+ TP rank)          ->    KVConnectorContext (world size, rank, block size,
                                           model identity, wire form of block hashes)
     KVTransferConfig                ->    kvconnect KVTransferConfig (the extra config as is)
-    per-layer KV cache tensors      ->    views [2, num_blocks, block_size, kv_heads, head_dim]
+    per-layer KV cache tensors      ->    kvconnect's paged views (layout.py, from vLLM's
+                                          layout descriptor and KV cache specs)
     SchedulerOutput + Requests      ->    kvconnect SchedulerOutput (tokens computed this step,
                                           block tables, new requests' tokens and hashes)
     KVConnectorOutput               ->    kvconnect KVConnectorOutput
@@ -23,7 +24,6 @@ import logging
 import os
 from typing import Any
 
-import torch
 import vllm
 import vllm.envs
 from vllm.distributed import kv_events as vllm_events
@@ -128,30 +128,6 @@ def model_fingerprint(vllm_config: Any) -> str:
         except (ValueError, OSError) as e:
             logger.warning("kvconnect: no weights identity for %s (%s)", model.model, e)
     return "\0".join(parts)
-
-
-def canonical_kv_view(name: str, kv: torch.Tensor, block_size: int) -> torch.Tensor:
-    """`kv` (one layer's paged cache on this rank, in the attention backend's layout) as a
-    view [2 (K, V), num_blocks, block_size, kv_heads, head_dim] of the same memory, so that
-    reads and writes through it land in vLLM's cache. Layouts:
-
-        CPU_ATTN          [num_blocks, kv_heads, block_size, 2 * head_dim]  (K rows, then V)
-        flash-style NHD   [2, num_blocks, block_size, kv_heads, head_dim]
-        block-first NHD   [num_blocks, 2, block_size, kv_heads, head_dim]
-    """
-    shape = tuple(kv.shape)
-    if kv.dim() == 4 and shape[2] == block_size and shape[3] % 2 == 0:
-        num_blocks, heads, _, width = shape
-        view = kv.view(num_blocks, heads, 2, block_size, width // 2)
-        return view.permute(2, 0, 3, 1, 4)
-    if kv.dim() == 5 and shape[0] == 2 and shape[2] == block_size:
-        return kv
-    if kv.dim() == 5 and shape[1] == 2 and shape[2] == block_size:
-        return kv.permute(1, 0, 2, 3, 4)
-    raise ValueError(
-        f"kvconnect OffloadConnector: layer {name}'s KV cache has shape {list(shape)}, which is "
-        f"not a layout it knows for block size {block_size}"
-    )
 
 
 def scheduler_output(so: Any, requests: dict[str, Any], kv_cache_manager: Any) -> SchedulerOutput:

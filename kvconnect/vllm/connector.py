@@ -46,13 +46,13 @@ from kvconnect.vllm.adapter import (
     OffloadPromMetrics,
     OffloadStats,
     OffloadWorkerMetadataForVllm,
-    canonical_kv_view,
     check_version,
     connector_context,
     connector_output,
     scheduler_output,
     to_vllm_event,
 )
+from kvconnect.vllm.layout import paged_kv
 
 logger = logging.getLogger(__name__)
 
@@ -114,9 +114,16 @@ class OffloadConnector(OffloadHalves, KVConnectorBase_V1):
     # -- worker side ---------------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        bs = self.config.block_size
-        views = {name: canonical_kv_view(name, kv, bs) for name, kv in kv_caches.items()}
-        self._work().register_kv_caches(views)
+        """The caches as vLLM describes them (layout, each group's spec: vllm/layout.py); a
+        layer it cannot store fails the start with one line naming it."""
+        config = self._kv_cache_config
+        paged = paged_kv(kv_caches, config, self._vllm_config, self.config.block_size)
+        self._work().register_paged_kv(paged)
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        """First in each step, before anything writes the cache: the copies still reading
+        blocks come first (device.py). On a host cache copies are already done."""
+        self._work().handle_preemptions()
 
     def get_kv_connector_stats(self) -> OffloadStats | None:
         if self.worker is None:

@@ -13,7 +13,8 @@ their config, dtype, block and chunk size, so another checkpoint (or precision, 
 served under the same model name never meets these entries. A key is only where to look: the
 worker checks that what it finds there describes the chunk asked for (worker.py).
 
-Chunk data on a rank: [num_layers, 2 (K, V), chunk_size, kv_heads / tp, head_dim].
+Chunk data on a rank: [num_layers, planes, chunk_size, heads / tp, dim], planes 2 (K, V) or 1
+(an MLA latent, a packed cache): the same bytes whatever the engine's layout (layout.py).
 
 Settings are msgspec structs: each field declares its type and bounds, so msgspec checks them
 (no coercion: "256" is not a chunk size, true is not a byte count); `__post_init__` checks the

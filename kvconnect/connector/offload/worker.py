@@ -2,15 +2,20 @@
 them in the tiers on a background I/O thread, and reports every store and eviction as an event.
 
 Per step (worker thread):
+  handle_preemptions  the step's compute stream waits for the copies that still read blocks
+                  (a device cache; device.py has the rules)
   start_load_kv   queue the step's loads (the I/O thread serves loads before stores)
   wait_for_save   copy each chunk to save out of the paged cache (so the engine may reuse its
-                  blocks at once) and queue it; a full queue drops the store (counted)
+                  blocks) and queue it; a full queue drops the store (counted)
   get_finished    requests whose loads completed; get_block_ids_with_load_errors: what failed
   build_connector_worker_meta   the events since the last step, under this rank
 
 I/O thread: a store goes to the first local tier (cpu or disk); what that tier evicts is demoted
 to the next local tier, or dropped; every redis tier gets the chunk too (shared, write-through).
 A load looks in the tiers in order; a hit below the first local tier is promoted into it.
+The cache is read through `layout.PagedKV` (any layout, one gather and one scatter) and
+copied with `device.DeviceOps` (synchronous for a host cache; a stream, events and pinned
+buffers for CUDA): a load is reported finished only after its copy into the cache is done.
 What a tier returns must be the chunk asked for: its entry's token ids, parent hash, block
 hashes and block size equal the scheduler's, its data has this rank's chunk shape and dtype
 (`tiers.base.mismatch`; a key names only the last block's hash, and a shared tier holds what
@@ -27,6 +32,7 @@ import threading
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -42,7 +48,9 @@ from kvconnect.connector.offload.common import (
     chunk_key,
     key_namespace,
 )
+from kvconnect.connector.offload.device import DeviceOps, Stream, device_ops_for
 from kvconnect.connector.offload.kinds import TierKind
+from kvconnect.connector.offload.layout import PagedKV, from_kv_planes
 from kvconnect.connector.offload.tiers import TierPlacement, create_tier
 from kvconnect.connector.offload.tiers.base import (
     Evicted,
@@ -84,11 +92,21 @@ def removed_event(info: ChunkInfo, kind: TierKind) -> BlockRemoved:
 
 @dataclass(frozen=True)
 class StoreJob:
-    """One chunk to store, already copied out of the paged cache."""
+    """One chunk to store, copied out of the paged cache: `data` is complete once `copied`
+    has happened (at once for a host cache)."""
 
     key: str
     chunk: ChunkInfo
     data: torch.Tensor
+    copied: Any = None
+
+
+@dataclass(frozen=True)
+class LoadJob:
+    """A request's loads; its blocks' last reader on the compute stream is `ready`."""
+
+    spec: LoadSpec
+    ready: Any = None
 
 
 @dataclass(frozen=True)
@@ -96,7 +114,7 @@ class ResetJob:
     """Empty the local tiers (the engine's cache was reset)."""
 
 
-IoJob = ResetJob | LoadSpec | StoreJob
+IoJob = ResetJob | LoadJob | StoreJob
 """What the I/O thread runs, in this order of priority: resets, then loads, then stores."""
 
 
@@ -106,9 +124,11 @@ class OffloadWorker:
         context: KVConnectorContext,
         config: OffloadConfig,
         metadata_class: type[OffloadWorkerMetadata] = OffloadWorkerMetadata,
+        device_ops: DeviceOps | None = None,
     ) -> None:
         """`metadata_class` is what `build_connector_worker_meta` builds: an engine that needs
-        its own type for the workers' metadata (vLLM) gives a subclass."""
+        its own type for the workers' metadata (vLLM) gives a subclass. `device_ops`: how
+        blocks are copied (default: by the cache's device, `device.device_ops_for`)."""
         self.context = context
         self.config = config
         self.rank = context.rank
@@ -117,14 +137,16 @@ class OffloadWorker:
         )
         self.tiers: list[Tier] = []
         self.placement = TierPlacement(context.world_size, self.rank, namespace=self.namespace)
-        self._layers: list[torch.Tensor] = []
+        self.paged: PagedKV | None = None
+        self.device_ops = device_ops
+        self._unfenced: list[Any] = []  # copies that read blocks, not yet waited for by compute
         self._lock = threading.Lock()  # guards the fields the I/O thread shares with the step
         self._events: list[KVCacheEvent] = []
         self._finished_loads: set[str] = set()
         self._load_errors: set[int] = set()
         self._stats: dict[str, int] = {}
         self._cond = threading.Condition(self._lock)
-        self._loads: deque[LoadSpec] = deque()
+        self._loads: deque[LoadJob] = deque()
         self._stores: deque[StoreJob] = deque()
         self._written_shared: set[str] = set()  # keys this rank put in shared tiers
         self._resets = 0
@@ -137,13 +159,25 @@ class OffloadWorker:
     # -- setup ------------------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
-        self._layers = list(kv_caches.values())
-        first = self._layers[0]  # [2, num_blocks, block_size, kv_heads, head_dim]
+        """kvconnect's engine: each layer [2 (K, V), num_blocks, block_size, kv_heads, dim]."""
+        views = {name: from_kv_planes(name, kv) for name, kv in kv_caches.items()}
+        self.register_paged_kv(PagedKV.from_views(views))
+
+    def register_paged_kv(self, paged: PagedKV) -> None:
+        """The cache through its layout (an engine with another layout builds the views)."""
+        if paged.block_size != self.context.block_size:
+            raise ValueError(
+                f"kvconnect OffloadConnector: the cache has {paged.block_size}-token blocks, "
+                f"the engine's block size is {self.context.block_size}"
+            )
+        self.paged = paged
+        if self.device_ops is None:
+            self.device_ops = device_ops_for(paged.device)
         self.placement = placement = TierPlacement(
             self.context.world_size,
             self.rank,
-            (len(self._layers), 2, self.config.chunk_size, *first.shape[3:]),
-            first.dtype,
+            paged.chunk_shape(self.config.chunk_size),
+            paged.dtype,
             self.namespace,
         )
         self.tiers = []
@@ -163,12 +197,27 @@ class OffloadWorker:
 
     # -- step ---------------------------------------------------------------------------------
 
+    def handle_preemptions(self) -> None:
+        """Before the step writes anything into the cache: the compute stream waits for the
+        copies that still read blocks (saves queued by the last steps), so a block freed and
+        given to another request is overwritten only after its chunk was copied out."""
+        ops = self._ops()
+        for event in self._unfenced:
+            ops.wait(Stream.COMPUTE, event)
+        self._unfenced.clear()
+
     def start_load_kv(self, meta: OffloadMetadata) -> None:
+        ready = self._ops().record(Stream.COMPUTE) if meta.loads else None
         with self._cond:
             if meta.reset:
                 self._resets += 1
-            self._loads.extend(meta.loads)
+            self._loads.extend(LoadJob(spec, ready) for spec in meta.loads)
             self._cond.notify()
+
+    def _ops(self) -> DeviceOps:
+        if self.device_ops is None:
+            self.device_ops = device_ops_for(torch.device("cpu"))
+        return self.device_ops
 
     def wait_for_save(self, meta: OffloadMetadata) -> None:
         if meta.shared_gone:  # Redis dropped them: the next save of each writes it again
@@ -176,23 +225,35 @@ class OffloadWorker:
             with self._lock:
                 for last in meta.shared_gone:
                     self._written_shared.discard(chunk_key(self.namespace, world, self.rank, last))
-        bs = self.context.block_size
+        ready = None
         for save in meta.saves:
             key = self._key(save.chunk)
             if any(t.contains(key) for t in self.tiers if not t.shared) or (
                 self._only_shared() and key in self._written_shared
             ):
                 continue
-            ids = torch.tensor(save.block_ids, dtype=torch.long)
-            # [layers, 2, blocks, block_size, heads, dim] -> [layers, 2, chunk, heads, dim]
-            data = torch.stack([layer[:, ids] for layer in self._layers])
-            data = data.reshape(data.shape[0], 2, len(save.block_ids) * bs, *data.shape[4:])
-            with self._cond:
+            with self._lock:
                 if len(self._stores) >= self.config.max_pending_stores:
                     self._count("num_stores_dropped")
                     continue
-                self._stores.append(StoreJob(key, save.chunk, data))
+            if ready is None:  # once per step: the forward that wrote these blocks
+                ready = self._ops().record(Stream.COMPUTE)
+            job = self._copy_out(key, save.chunk, save.block_ids, ready)
+            with self._cond:
+                self._stores.append(job)
                 self._cond.notify()
+
+    def _copy_out(self, key: str, info: ChunkInfo, block_ids: list[int], ready: Any) -> StoreJob:
+        """Queue the copy of the blocks to host memory on the copy stream, after `ready`."""
+        ops, paged = self._ops(), self.paged
+        assert paged is not None, "register_kv_caches first"
+        with ops.on_copy_stream():
+            ops.wait(Stream.COPY, ready)
+            data = ops.to_host(paged.gather(block_ids))
+            copied = ops.record(Stream.COPY)
+        if copied is not None:  # a host cache's copy is done already (SyncOps: no event)
+            self._unfenced.append(copied)
+        return StoreJob(key, info, data, copied)
 
     def _only_shared(self) -> bool:
         return all(t.shared for t in self.tiers)
@@ -253,9 +314,9 @@ class OffloadWorker:
                 logger.exception("offload I/O job failed")
                 with self._lock:
                     self._count("num_errors")
-                    if isinstance(job, LoadSpec):
-                        self._finished_loads.add(job.request_id)
-                        self._load_errors.update(b for ids in job.block_ids for b in ids)
+                    if isinstance(job, LoadJob):
+                        self._finished_loads.add(job.spec.request_id)
+                        self._load_errors.update(b for ids in job.spec.block_ids for b in ids)
             finally:
                 with self._cond:
                     self._busy = False
@@ -276,10 +337,12 @@ class OffloadWorker:
     def _run(self, job: IoJob) -> None:
         if isinstance(job, ResetJob):
             self._reset()
-        elif isinstance(job, LoadSpec):
+        elif isinstance(job, LoadJob):
             self._load(job)
         else:
-            self._store(job.key, job.chunk, job.data)
+            ops = self._ops()
+            ops.synchronize(job.copied)
+            self._store(job.key, job.chunk, ops.release(job.data))
 
     def _emit(self, *events: KVCacheEvent) -> None:
         with self._lock:
@@ -326,21 +389,24 @@ class OffloadWorker:
             if below is not None and ev.data is not None:
                 self._put(below, ev.key, ev.info, ev.data)
 
-    def _load(self, spec: LoadSpec) -> None:
+    def _load(self, job: LoadJob) -> None:
+        spec, ops, paged = job.spec, self._ops(), self.paged
+        assert paged is not None, "register_kv_caches first"
         bs = self.context.block_size
         failed: set[int] = set()
-        for info, block_ids, first in zip(
-            spec.chunks, spec.block_ids, spec.first_block, strict=True
-        ):
-            data = self._fetch(self._key(info), info)
-            if data is None:
-                failed.update(block_ids[first:])
-                continue
-            ids = torch.tensor(block_ids[first:], dtype=torch.long)
-            part = data[:, :, first * bs :]
-            part = part.reshape(part.shape[0], 2, len(ids), bs, *part.shape[3:])
-            for layer, chunk in zip(self._layers, part, strict=True):
-                layer[:, ids] = chunk
+        with ops.on_copy_stream():
+            ops.wait(Stream.COPY, job.ready)  # the blocks' last reader is done with them
+            for info, block_ids, first in zip(
+                spec.chunks, spec.block_ids, spec.first_block, strict=True
+            ):
+                data = self._fetch(self._key(info), info)
+                if data is None:
+                    failed.update(block_ids[first:])
+                    continue
+                part = ops.to_device(data[:, :, first * bs :], paged.device)
+                paged.scatter(block_ids[first:], part)
+            copied = ops.record(Stream.COPY)
+        ops.synchronize(copied)  # finished only once the blocks hold the KV
         with self._lock:
             self._count("num_chunks_loaded", len(spec.chunks))
             if failed:

@@ -72,7 +72,8 @@ class TierPlacement:
     rank: int
     """The worker's TP rank (0 for the scheduler half, which holds no chunk data)."""
     chunk_shape: tuple[int, ...] = ()
-    """[num_layers, 2, chunk_size, kv_heads / tp, head_dim]; empty in the scheduler half."""
+    """[num_layers, planes, chunk_size, heads / tp, dim] (layout.py); empty in the scheduler
+    half."""
     dtype: torch.dtype = torch.float32
     namespace: str = ""
     """The chunk keys' model namespace (`common.key_namespace`): a disk tier's directory."""
