@@ -18,7 +18,7 @@ import tempfile
 import time
 from dataclasses import replace
 from multiprocessing.connection import Connection
-from multiprocessing.context import BaseContext
+from multiprocessing.context import ForkServerContext
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import TypeVar
@@ -39,7 +39,7 @@ logger = logging.getLogger(__name__)
 R = TypeVar("R", WorkerReady, WorkerOutput)
 
 
-def worker_context() -> BaseContext:
+def worker_context() -> ForkServerContext:
     """How worker processes start: forked from multiprocessing's fork server, which imported
     the worker module (and so torch) once, instead of each spawned interpreter importing them
     again (measured: ~9.8 s of CPU for a spawned tiny engine, ~3.9 s in-process, the difference
