@@ -101,21 +101,23 @@ class GGUFWeights:
         tensor = self._tensors.get(name)
         if tensor is None:
             raise ValueError(f"{self.path}: no tensor {name!r} (for {hf_name})")
-        w = np.asarray(self._dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+        data = tensor.data
+        if dim == 0:
+            # A quantization block never crosses a row: the rank's rows dequantize alone.
+            size = data.shape[0] // tp
+            data = data[rank * size : (rank + 1) * size]
+        w = np.asarray(self._dequantize(data, tensor.tensor_type), dtype=np.float32)
         if self._permuted and name.endswith(("attn_q.weight", "attn_k.weight")):
             heads = (
                 self.config.num_attention_heads
                 if name.endswith("attn_q.weight")
                 else self.config.num_key_value_heads
             )
-            w = _unpermute(w, heads)
-        if dim is not None:
-            size = w.shape[dim] // tp
-            w = (
-                w[rank * size : (rank + 1) * size]
-                if dim == 0
-                else w[:, rank * size : (rank + 1) * size]
-            )
+            # A row shard holds whole heads, and the interleaving stays within a head.
+            w = _unpermute(w, heads // tp if dim == 0 else heads)
+        if dim == 1:
+            size = w.shape[1] // tp
+            w = w[:, rank * size : (rank + 1) * size]
         if not w.flags.writeable or not w.flags.c_contiguous:  # a view of the read-only file
             w = np.array(w, dtype=np.float32)
         return torch.from_numpy(w)

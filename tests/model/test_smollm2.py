@@ -100,6 +100,34 @@ def test_the_greedy_chat_answer_token_for_token(
         assert llm.scheduler.pool.num_free_blocks == llm.scheduler.pool.num_blocks
 
 
+def test_each_ranks_shard_is_its_slice_of_the_whole_tensor() -> None:
+    """A rank dequantizes only its own rows (gguf.py): the result equals the whole tensor,
+    dequantized and un-interleaved, then sliced, for every sharded parameter of a layer."""
+    from kvconnect.model.gguf import GGUFWeights
+    from kvconnect.model.loader import load_model_info, shard_dim
+
+    path = resolve_model("smollm2").path
+    assert path is not None
+    weights = GGUFWeights(path, load_model_info("smollm2")[0])
+    names = [
+        f"model.layers.0.{p}.weight"
+        for p in (
+            "self_attn.q_proj",
+            "self_attn.k_proj",
+            "self_attn.v_proj",
+            "self_attn.o_proj",
+            "mlp.gate_proj",
+            "mlp.down_proj",
+        )
+    ]
+    for name in names:
+        dim = shard_dim(name)
+        assert dim is not None, name
+        whole = weights.read(name, None, 0, 1)
+        shards = [weights.read(name, dim, r, 3) for r in range(3)]
+        assert torch.equal(torch.cat(shards, dim), whole), name
+
+
 def test_two_tensor_parallel_ranks_cannot_split_nine_heads() -> None:
     with pytest.raises(ValueError, match="tensor_parallel_size=2 does not divide"):
         LLM("smollm2", tensor_parallel_size=2)

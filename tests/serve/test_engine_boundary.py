@@ -118,13 +118,20 @@ def children(pid: int) -> list[int]:
     return found
 
 
+def worker_pids(pid: int) -> list[int]:
+    """The worker processes of the engine in process `pid`: the children of its
+    multiprocessing fork server (engine/multiproc_executor.py)."""
+    servers = [c for c in children(pid) if b"forkserver" in Path(f"/proc/{c}/cmdline").read_bytes()]
+    return [w for s in servers for w in children(s)]
+
+
 @pytest.mark.parametrize("tp", [1, 2])
 def test_serve_exits_non_zero_with_one_line_when_a_worker_dies(tmp_path: Path, tp: int) -> None:
-    server = Serve(tmp_path, "--tp", str(tp))
+    server = Serve(tmp_path, "--tp", str(tp), "--distributed-executor-backend", "mp")
     server.start()
     try:
-        workers = children(server.pid)
-        assert len(workers) >= tp
+        workers = worker_pids(server.pid)
+        assert len(workers) == tp
         conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
         body = {"prompt": "x", "max_tokens": 4000, "ignore_eos": True, "stream": True}
         conn.request("POST", "/v1/completions", body=json.dumps(body))
