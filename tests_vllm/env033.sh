@@ -17,10 +17,10 @@ venv=$dir/venv
 py=$venv/bin/python
 mkdir -p "$dir/wheels"
 
-check='import sys, torch, vllm; sys.exit(f"vllm {vllm.__version__}" if vllm.__version__ != "0.33.0" \
-else "torch is not the CPU build" if torch.version.cuda else 0); \
+check='import torch, vllm; assert vllm.__version__ == "0.33.0", vllm.__version__; \
+assert not torch.version.cuda, "torch is not the CPU build"; \
 import vllm.v1.core.sched.scheduler, vllm.distributed.kv_transfer.kv_connector.v1.multi_connector, \
-kvconnect.vllm.connector, xxhash, redis, pytest'
+kvconnect.vllm.connector, xxhash, redis, pytest, pytest_timeout'
 
 if ! [ -x "$py" ] || ! "$py" -c "$check" 2>/dev/null; then
   echo "# building $venv (about 2 minutes)"
