@@ -108,6 +108,23 @@ def test_external_hit_loads_asynchronously(model_dir: Path, tmp_path: Path) -> N
         assert_no_leak(eng)
 
 
+def test_the_last_chunk_loads_in_part(model_dir: Path, tmp_path: Path) -> None:
+    """128 tokens: the hit ends on the last whole block before the last token, as vLLM's own
+    prefix cache ends it (112 tokens: chunks 0-2 and chunk 3's first block), not at 96."""
+    tokens = prompt(10, 128)
+    with engine(model_dir, transfer(cpu_tier()), tmp_path) as (eng, events):
+        eng.add("a", tokens)
+        eng.finish("a")
+        eng.settle()
+        events.wait_for(lambda ev: len(stored(ev)) == 4)
+        steps = load_again(eng, "b", tokens)
+        assert steps[-1].output.num_scheduled_tokens["b"] == 128 - 112
+        steps += eng.finish("b")
+        assert external(steps, "b") == 112
+        eng.settle()
+        assert_no_leak(eng)
+
+
 def test_failed_load_is_recomputed(model_dir: Path, tmp_path: Path) -> None:
     tokens = prompt(2)
     with engine(model_dir, transfer(cpu_tier()), tmp_path) as (eng, events):

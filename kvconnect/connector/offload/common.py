@@ -197,7 +197,8 @@ class LoadSpec:
     request_id: str
     chunks: list[ChunkInfo]
     block_ids: list[list[int]]
-    """Per chunk, the engine blocks to fill."""
+    """Per chunk, the engine blocks to fill: the chunk's first blocks (all of them, but for a
+    request's last chunk, which may be loaded in part)."""
     first_block: list[int]
     """Per chunk, how many of its leading blocks are already computed (not overwritten)."""
 

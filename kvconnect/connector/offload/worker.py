@@ -337,7 +337,7 @@ class OffloadWorker:
                 failed.update(block_ids[first:])
                 continue
             ids = torch.tensor(block_ids[first:], dtype=torch.long)
-            part = data[:, :, first * bs :]
+            part = data[:, :, first * bs : len(block_ids) * bs]  # a last chunk may be partial
             part = part.reshape(part.shape[0], 2, len(ids), bs, *part.shape[3:])
             for layer, chunk in zip(self._layers, part, strict=True):
                 layer[:, ids] = chunk
