@@ -17,7 +17,10 @@ translates vLLM's objects. What it adds for vLLM:
               not used.
     loads     async: a request waits in WAITING_FOR_REMOTE_KVS while the workers' I/O threads
               fill its blocks; a request that finishes (an abort) while its load runs keeps
-              its blocks until the load is done (`request_finished` -> True).
+              its blocks until the load is done (`request_finished` -> True). A step's loads
+              start when vLLM binds the step's metadata, before the forward (vLLM calls
+              `start_load_kv` for async loads only after it), so a load done during the
+              forward is reported in that step's output and its request runs in the next.
     idle      `has_pending_push_work` keeps vLLM stepping while stores are still running,
               so their events are published without new traffic.
 """
@@ -89,6 +92,7 @@ class OffloadConnector(OffloadHalves, KVConnectorBase_V1):
         self._cache_hit_source = _HIT_SOURCES[self.config.tiers[0].kind]
         self.scheduler: OffloadScheduler | None = None
         self.worker: OffloadWorker | None = None
+        self._started: KVConnectorMetadata | None = None  # the step whose loads are queued
         self._requests: dict[str, Any] = {}  # vLLM Requests whose chunks are saved
         self._loading: set[str] = set()  # requests whose load the workers still run
         if role == KVConnectorRole.SCHEDULER:
@@ -112,6 +116,17 @@ class OffloadConnector(OffloadHalves, KVConnectorBase_V1):
         )
 
     # -- worker side ---------------------------------------------------------------------------
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if self.worker is not None:  # queued now: the I/O thread loads during the forward
+            self.worker.start_load_kv(self._meta())
+            self._started = connector_metadata
+
+    def start_load_kv(self, forward_context: Any = None, **kwargs: Any) -> None:
+        if self._started is not self._get_connector_metadata():
+            super().start_load_kv(forward_context, **kwargs)
+        self._started = None
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         bs = self.config.block_size

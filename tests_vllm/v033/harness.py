@@ -188,9 +188,12 @@ class StepResult:
 class Engine:
     """vLLM 0.33's Scheduler and `tp` worker ranks, stepped by the test."""
 
-    def __init__(self, config: VllmConfig, num_blocks: int) -> None:
+    def __init__(self, config: VllmConfig, num_blocks: int, slow_forward: bool = False) -> None:
+        """`slow_forward`: each forward lasts until the workers' I/O threads are idle (a
+        forward longer than the step's loads, as a real one over a long batch would be)."""
         init_none_hash(sha256)
         self.config = config
+        self.slow_forward = slow_forward
         names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
         spec = FullAttentionSpec(
             block_size=BLOCK, num_kv_heads=HEADS, head_size=DIM, dtype=torch.float32
@@ -313,6 +316,8 @@ class Engine:
                         )
             if end >= request.num_tokens:
                 sampled[req_id] = [SAMPLED]
+        if self.slow_forward and so.total_num_scheduled_tokens:
+            assert rank.connector.worker.drain()
         return sampled
 
     def check_kv(
@@ -376,6 +381,7 @@ def engine(
     tp: int = 1,
     num_blocks: int = 256,
     max_num_batched_tokens: int = 64,
+    slow_forward: bool = False,
 ) -> Iterator[tuple[Engine, Events]]:
     config = make_vllm_config(
         model_dir,
@@ -385,7 +391,7 @@ def engine(
         num_blocks=num_blocks,
         max_num_batched_tokens=max_num_batched_tokens,
     )
-    eng = Engine(config, num_blocks)
+    eng = Engine(config, num_blocks, slow_forward)
     events = Events(tmp)
     try:
         yield eng, events

@@ -125,6 +125,30 @@ def test_the_last_chunk_loads_in_part(model_dir: Path, tmp_path: Path) -> None:
         assert_no_leak(eng)
 
 
+def test_a_load_done_during_the_forward_runs_in_the_next_step(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """With other requests running, the step that hands a load to the workers has a forward;
+    the load starts before it, so a load done by the forward's end is reported in that step
+    and its request computes in the next (vLLM starts async loads after the forward: it
+    would be reported a step later)."""
+    tokens = prompt(11)
+    with engine(model_dir, transfer(cpu_tier()), tmp_path, slow_forward=True) as (eng, events):
+        run_and_store(eng, events, "a", tokens)
+        assert eng.scheduler.reset_prefix_cache()
+        eng.add("busy", prompt(12), max_tokens=40)
+        eng.run_until(lambda _: eng.scheduler.requests["busy"].num_output_tokens > 0)
+        eng.add("b", tokens)
+        handed = eng.step()
+        assert handed.output.num_scheduled_tokens == {"busy": 1}
+        assert handed.finished_recving == {"b"}
+        assert eng.step().output.num_scheduled_tokens == {"busy": 1, "b": PROMPT - LOADABLE}
+        eng.finish("b")
+        eng.finish("busy")
+        eng.settle()
+        assert_no_leak(eng)
+
+
 def test_failed_load_is_recomputed(model_dir: Path, tmp_path: Path) -> None:
     tokens = prompt(2)
     with engine(model_dir, transfer(cpu_tier()), tmp_path) as (eng, events):
