@@ -21,6 +21,9 @@ translates vLLM's objects. What it adds for vLLM:
               start when vLLM binds the step's metadata, before the forward (vLLM calls
               `start_load_kv` for async loads only after it), so a load done during the
               forward is reported in that step's output and its request runs in the next.
+              A step that computes nothing (the engine only waits for loads) waits up to
+              IDLE_LOAD_WAIT_S for one to finish: vLLM's loop would otherwise spin against
+              the I/O thread for the GIL, which each of its copies must take again.
     idle      `has_pending_push_work` keeps vLLM stepping while stores are still running,
               so their events are published without new traffic.
 """
@@ -73,6 +76,10 @@ def _log_like_vllm() -> None:
 
 _log_like_vllm()
 
+IDLE_LOAD_WAIT_S = 0.02
+"""How long a step with nothing to compute waits for a load under way (a new request that
+arrives meanwhile waits as long at most)."""
+
 _HIT_SOURCES = {
     TierKind.CPU: CacheHitSource.HOST,
     TierKind.DISK: CacheHitSource.DISK,
@@ -93,6 +100,7 @@ class OffloadConnector(OffloadHalves, KVConnectorBase_V1):
         self.scheduler: OffloadScheduler | None = None
         self.worker: OffloadWorker | None = None
         self._started: KVConnectorMetadata | None = None  # the step whose loads are queued
+        self._inflight: set[str] = set()  # worker: requests whose loads are not reported yet
         self._requests: dict[str, Any] = {}  # vLLM Requests whose chunks are saved
         self._loading: set[str] = set()  # requests whose load the workers still run
         if role == KVConnectorRole.SCHEDULER:
@@ -120,7 +128,9 @@ class OffloadConnector(OffloadHalves, KVConnectorBase_V1):
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
         if self.worker is not None:  # queued now: the I/O thread loads during the forward
-            self.worker.start_load_kv(self._meta())
+            meta = self._meta()
+            self.worker.start_load_kv(meta)
+            self._inflight.update(load.request_id for load in meta.loads)
             self._started = connector_metadata
 
     def start_load_kv(self, forward_context: Any = None, **kwargs: Any) -> None:
@@ -132,6 +142,13 @@ class OffloadConnector(OffloadHalves, KVConnectorBase_V1):
         bs = self.config.block_size
         views = {name: canonical_kv_view(name, kv, bs) for name, kv in kv_caches.items()}
         self._work().register_kv_caches(views)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        if self._inflight and self._meta().idle:
+            self._work().wait_for_finished_load(IDLE_LOAD_WAIT_S)
+        sending, recving = super().get_finished(finished_req_ids)
+        self._inflight -= recving or set()
+        return sending, recving
 
     def get_kv_connector_stats(self) -> OffloadStats | None:
         if self.worker is None:
@@ -170,7 +187,8 @@ class OffloadConnector(OffloadHalves, KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output_: Any) -> KVConnectorMetadata:
         out = scheduler_output(scheduler_output_, self._requests, self._kv_cache_manager)
         meta = self._sched().build_connector_meta(out)
-        assert isinstance(meta, KVConnectorMetadata)  # built as OffloadMetadataForVllm
+        assert isinstance(meta, OffloadMetadataForVllm)
+        meta.idle = scheduler_output_.total_num_scheduled_tokens == 0
         return meta
 
     def update_connector_output(self, connector_output_: Any) -> None:

@@ -149,6 +149,27 @@ def test_a_load_done_during_the_forward_runs_in_the_next_step(
         assert_no_leak(eng)
 
 
+def test_an_idle_step_waits_for_its_load(
+    model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A step that computes nothing (vLLM only waits for the load) waits in the worker for the
+    load instead of returning at once, so vLLM's loop does not spin against the I/O thread;
+    with the wait made long, the load is reported by the very step that handed it over."""
+    monkeypatch.setattr("kvconnect.vllm.connector.IDLE_LOAD_WAIT_S", 60.0)
+    tokens = prompt(13)
+    with engine(model_dir, transfer(cpu_tier()), tmp_path) as (eng, events):
+        run_and_store(eng, events, "a", tokens)
+        assert eng.scheduler.reset_prefix_cache()
+        eng.add("b", tokens)
+        handed = eng.step()
+        assert handed.output.total_num_scheduled_tokens == 0
+        assert handed.finished_recving == {"b"}
+        assert eng.step().output.num_scheduled_tokens == {"b": PROMPT - LOADABLE}
+        eng.finish("b")
+        eng.settle()
+        assert_no_leak(eng)
+
+
 def test_failed_load_is_recomputed(model_dir: Path, tmp_path: Path) -> None:
     tokens = prompt(2)
     with engine(model_dir, transfer(cpu_tier()), tmp_path) as (eng, events):

@@ -211,6 +211,10 @@ class OffloadMetadata(KVConnectorMetadata):
     shared_gone: list[bytes] = field(default_factory=list)
     """Last block hashes of chunks a shared tier no longer holds (Redis evicted or expired
     them): workers forget they wrote them, so the next save writes them again."""
+    idle: bool = False
+    """The engine computes nothing this step (it only waits, for loads among others): a
+    worker with loads under way may wait a little for one, off the GIL (see the vLLM
+    plugin's get_finished), instead of the engine spinning against its I/O thread."""
 
 
 @dataclass

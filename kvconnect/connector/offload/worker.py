@@ -202,6 +202,12 @@ class OffloadWorker:
             done, self._finished_loads = self._finished_loads, set()
         return done or None
 
+    def wait_for_finished_load(self, timeout: float) -> bool:
+        """Wait until some load has finished (and is not yet reported), up to `timeout`
+        seconds, holding no lock and not the GIL; whether one has."""
+        with self._cond:
+            return self._cond.wait_for(lambda: bool(self._finished_loads), timeout)
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         with self._lock:
             errors, self._load_errors = self._load_errors, set()
