@@ -187,8 +187,7 @@ class OffloadConnector(OffloadHalves, KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output_: Any) -> KVConnectorMetadata:
         out = scheduler_output(scheduler_output_, self._requests, self._kv_cache_manager)
         meta = self._sched().build_connector_meta(out)
-        assert isinstance(meta, OffloadMetadataForVllm)
-        meta.idle = scheduler_output_.total_num_scheduled_tokens == 0
+        assert isinstance(meta, KVConnectorMetadata)  # built as OffloadMetadataForVllm
         return meta
 
     def update_connector_output(self, connector_output_: Any) -> None:

@@ -200,7 +200,10 @@ class OffloadScheduler:
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> OffloadMetadata:
         meta = self.metadata_class(
-            loads=self._loads, reset=self._reset, shared_gone=self._shared_gone
+            loads=self._loads,
+            reset=self._reset,
+            shared_gone=self._shared_gone,
+            idle=not scheduler_output.scheduled,
         )
         self._loads, self._reset, self._shared_gone = [], False, []
         self._unreported = self._unreported or bool(meta.loads or meta.reset)
