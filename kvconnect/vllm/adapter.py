@@ -57,7 +57,7 @@ from kvconnect.model_source import weights_identity
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_VLLM = ("0.32.",)
+SUPPORTED_VLLM = ("0.32.", "0.33.")
 """vLLM releases this adapter is tested against (`make test-vllm`)."""
 
 
@@ -81,9 +81,12 @@ def connector_context(vllm_config: Any, role: VllmRole) -> KVConnectorContext:
     world_size = parallel.tensor_parallel_size
     rank = 0
     if role == VllmRole.WORKER:
-        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+        from vllm.distributed import parallel_state
 
-        rank = get_tensor_model_parallel_rank()
+        if parallel_state.model_parallel_is_initialized():
+            rank = parallel_state.get_tensor_model_parallel_rank()
+        else:  # a worker built outside vLLM's process groups (a harness): the config's rank
+            rank = parallel.rank % world_size
     vllm_transfer = vllm_config.kv_transfer_config
     transfer = KVTransferConfig(
         kv_connector=vllm_transfer.kv_connector,

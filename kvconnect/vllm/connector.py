@@ -17,7 +17,13 @@ translates vLLM's objects. What it adds for vLLM:
               not used.
     loads     async: a request waits in WAITING_FOR_REMOTE_KVS while the workers' I/O threads
               fill its blocks; a request that finishes (an abort) while its load runs keeps
-              its blocks until the load is done (`request_finished` -> True).
+              its blocks until the load is done (`request_finished` -> True). A step's loads
+              start when vLLM binds the step's metadata, before the forward (vLLM calls
+              `start_load_kv` for async loads only after it), so a load done during the
+              forward is reported in that step's output and its request runs in the next.
+              A step that computes nothing (the engine only waits for loads) waits up to
+              IDLE_LOAD_WAIT_S for one to finish: vLLM's loop would otherwise spin against
+              the I/O thread for the GIL, which each of its copies must take again.
     idle      `has_pending_push_work` keeps vLLM stepping while stores are still running,
               so their events are published without new traffic.
 """
@@ -70,6 +76,10 @@ def _log_like_vllm() -> None:
 
 _log_like_vllm()
 
+IDLE_LOAD_WAIT_S = 0.02
+"""How long a step with nothing to compute waits for a load under way (a new request that
+arrives meanwhile waits as long at most)."""
+
 _HIT_SOURCES = {
     TierKind.CPU: CacheHitSource.HOST,
     TierKind.DISK: CacheHitSource.DISK,
@@ -89,6 +99,8 @@ class OffloadConnector(OffloadHalves, KVConnectorBase_V1):
         self._cache_hit_source = _HIT_SOURCES[self.config.tiers[0].kind]
         self.scheduler: OffloadScheduler | None = None
         self.worker: OffloadWorker | None = None
+        self._started: KVConnectorMetadata | None = None  # the step whose loads are queued
+        self._inflight: set[str] = set()  # worker: requests whose loads are not reported yet
         self._requests: dict[str, Any] = {}  # vLLM Requests whose chunks are saved
         self._loading: set[str] = set()  # requests whose load the workers still run
         if role == KVConnectorRole.SCHEDULER:
@@ -113,6 +125,19 @@ class OffloadConnector(OffloadHalves, KVConnectorBase_V1):
 
     # -- worker side ---------------------------------------------------------------------------
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if self.worker is not None:  # queued now: the I/O thread loads during the forward
+            meta = self._meta()
+            self.worker.start_load_kv(meta)
+            self._inflight.update(load.request_id for load in meta.loads)
+            self._started = connector_metadata
+
+    def start_load_kv(self, forward_context: Any = None, **kwargs: Any) -> None:
+        if self._started is not self._get_connector_metadata():
+            super().start_load_kv(forward_context, **kwargs)
+        self._started = None
+
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """The caches as vLLM describes them (layout, each group's spec: vllm/layout.py); a
         layer it cannot store fails the start with one line naming it."""
@@ -124,6 +149,13 @@ class OffloadConnector(OffloadHalves, KVConnectorBase_V1):
         """First in each step, before anything writes the cache: the copies still reading
         blocks come first (device.py). On a host cache copies are already done."""
         self._work().handle_preemptions()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        if self._inflight and self._meta().idle:
+            self._work().wait_for_finished_load(IDLE_LOAD_WAIT_S)
+        sending, recving = super().get_finished(finished_req_ids)
+        self._inflight -= recving or set()
+        return sending, recving
 
     def get_kv_connector_stats(self) -> OffloadStats | None:
         if self.worker is None:

@@ -198,7 +198,8 @@ class LoadSpec:
     request_id: str
     chunks: list[ChunkInfo]
     block_ids: list[list[int]]
-    """Per chunk, the engine blocks to fill."""
+    """Per chunk, the engine blocks to fill: the chunk's first blocks (all of them, but for a
+    request's last chunk, which may be loaded in part)."""
     first_block: list[int]
     """Per chunk, how many of its leading blocks are already computed (not overwritten)."""
 
@@ -211,6 +212,10 @@ class OffloadMetadata(KVConnectorMetadata):
     shared_gone: list[bytes] = field(default_factory=list)
     """Last block hashes of chunks a shared tier no longer holds (Redis evicted or expired
     them): workers forget they wrote them, so the next save writes them again."""
+    idle: bool = False
+    """The engine computes nothing this step (it only waits, for loads among others): a
+    worker with loads under way may wait a little for one, off the GIL (see the vLLM
+    plugin's get_finished), instead of the engine spinning against its I/O thread."""
 
 
 @dataclass

@@ -136,9 +136,13 @@ class OffloadScheduler:
         self, request: ConnectorRequest, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         c, per = self.config.chunk_size, self.config.blocks_per_chunk
-        num_tokens = len(request.all_token_ids)
-        max_chunks = min((num_tokens - 1) // c, len(request.block_hashes) // per)
-        if max_chunks * c <= num_computed_tokens:
+        # Whole blocks up to the last prompt token, as the engine's own prefix cache: the last
+        # chunk may be loaded in part (a 4,096-token prompt at block 128, chunk 256 loads
+        # 3,968 tokens, not 3,840), if the request names the whole chunk (its last block's
+        # hash is the chunk's key).
+        limit = self._max_hit(request)
+        max_chunks = min(-(-limit // c), len(request.block_hashes) // per)
+        if min(max_chunks * c, limit) <= num_computed_tokens:
             return 0, False
         last = [request.block_hashes[(i + 1) * per - 1] for i in range(max_chunks)]
         num = 0
@@ -150,10 +154,16 @@ class OffloadScheduler:
             if num_shared is None:
                 return None, False
             num += num_shared
-        if num * c <= num_computed_tokens:
+        num_tokens = min(num * c, limit)
+        if num_tokens <= num_computed_tokens:
             return 0, False
         self._plans[request.request_id] = (num_computed_tokens, num)
-        return num * c - num_computed_tokens, True
+        return num_tokens - num_computed_tokens, True
+
+    def _max_hit(self, request: ConnectorRequest) -> int:
+        """The most tokens a hit may cover: whole blocks, the last prompt token excluded."""
+        bs = self.context.block_size
+        return (len(request.all_token_ids) - 1) // bs * bs
 
     def _rank_keys(self, last_block_hash: bytes) -> list[str]:
         """The keys of one chunk on every rank (a shared tier must hold all of them)."""
@@ -170,6 +180,8 @@ class OffloadScheduler:
             return
         start, num = plan
         c, bs, per = self.config.chunk_size, self.context.block_size, self.config.blocks_per_chunk
+        # The last chunk's blocks past the hit are not allocated to the load: fewer block ids.
+        block_ids = block_ids[: min(num * c, self._max_hit(request)) // bs]
         spec = LoadSpec(request.request_id, [], [], [])
         for i in range(start // c, num):
             spec.chunks.append(
@@ -188,7 +200,10 @@ class OffloadScheduler:
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> OffloadMetadata:
         meta = self.metadata_class(
-            loads=self._loads, reset=self._reset, shared_gone=self._shared_gone
+            loads=self._loads,
+            reset=self._reset,
+            shared_gone=self._shared_gone,
+            idle=not scheduler_output.scheduled,
         )
         self._loads, self._reset, self._shared_gone = [], False, []
         self._unreported = self._unreported or bool(meta.loads or meta.reset)

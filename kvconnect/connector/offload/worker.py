@@ -263,6 +263,12 @@ class OffloadWorker:
             done, self._finished_loads = self._finished_loads, set()
         return done or None
 
+    def wait_for_finished_load(self, timeout: float) -> bool:
+        """Wait until some load has finished (and is not yet reported), up to `timeout`
+        seconds, holding no lock and not the GIL; whether one has."""
+        with self._cond:
+            return self._cond.wait_for(lambda: bool(self._finished_loads), timeout)
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         with self._lock:
             errors, self._load_errors = self._load_errors, set()
@@ -403,7 +409,8 @@ class OffloadWorker:
                 if data is None:
                     failed.update(block_ids[first:])
                     continue
-                part = ops.to_device(data[:, :, first * bs :], paged.device)
+                # a last chunk may be partial: only its blocks that the request holds
+                part = ops.to_device(data[:, :, first * bs : len(block_ids) * bs], paged.device)
                 paged.scatter(block_ids[first:], part)
             copied = ops.record(Stream.COPY)
         ops.synchronize(copied)  # finished only once the blocks hold the KV

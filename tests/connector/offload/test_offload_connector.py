@@ -172,6 +172,29 @@ def test_load_writes_the_saved_kv_back_into_new_blocks(tmp_path: Path) -> None:
         loop.shutdown()
 
 
+def test_the_last_chunk_loads_in_part_up_to_the_last_prompt_token() -> None:
+    """A hit ends where the engine's own prefix cache would end it: on the last whole block
+    before the last prompt token, inside the last chunk if need be (here 20 tokens, not 16)."""
+    loop = Loop([{"kind": "cpu", "max_bytes": 1 << 20}])
+    tokens = list(range(40, 64))  # 24 tokens: 3 whole chunks stored
+    try:
+        src = loop.blocks(6)
+        loop.step([("a", tokens, src)])
+        loop.step()
+        req = Req("b", tokens)
+        assert loop.sched.get_num_new_matched_tokens(req, 0) == (20, True)
+        dst = loop.blocks(5)  # what the engine allocates for 20 tokens
+        loop.sched.update_state_after_alloc(req, dst, 20)
+        loop.step()
+        assert loop.finished_recving == {"b"} and loop.invalid == set()
+        for caches in loop.caches:
+            for layer in caches.values():
+                assert torch.equal(layer[:, dst], layer[:, src[:5]])
+        assert loop.sched.get_num_new_matched_tokens(Req("c", tokens[:23]), 0) == (16, True)
+    finally:
+        loop.shutdown()
+
+
 def test_a_chunk_missing_on_one_rank_is_a_load_error(tmp_path: Path) -> None:
     loop = Loop([{"kind": "cpu", "max_bytes": 1 << 20}])
     tokens = list(range(9))
