@@ -1,6 +1,8 @@
 """The sampler: a step's next tokens from its logits in one batched pass, with their logprobs.
 
     logits [num_rows, vocab]  float32, the model's output at each row that samples
+      grammar bitmask         -inf on every token a row's grammar forbids (structured output;
+                              as vLLM applies it before its sampler, logprobs see it too)
       raw logprobs            log_softmax of the rows that ask: vLLM's default logprobs_mode
                               ("raw_logprobs"), before anything below changes the logits
       bad words, min_tokens   -inf on the banned tokens
@@ -35,6 +37,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvconnect.messages import (
+    GrammarBitmask,
     PositionLogprobs,
     PromptLogprobs,
     SamplingOptions,
@@ -81,6 +84,8 @@ class SamplingBatch:
     """(rows, token ids, values) added to the logits."""
     num_logprobs: list[int | None] = field(default_factory=list)
     """Alternatives each row asks for, None for no logprobs; empty if no row asks."""
+    allowed: tuple[torch.Tensor, torch.Tensor] | None = None
+    """(rows, int32 bitmask [rows, ceil(vocab / 32)]): the tokens each row's grammar allows."""
 
 
 @dataclass
@@ -92,6 +97,8 @@ class SamplerOutput:
 
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
     """The next token of every row of `logits` [num_rows, vocab]; `logits` is not changed."""
+    if batch.allowed is not None:
+        logits = apply_token_bitmask(logits, *batch.allowed)
     asking = [i for i, k in enumerate(batch.num_logprobs) if k is not None]
     raw = torch.log_softmax(logits[asking], dim=-1) if asking else None
     logits = processed_logits(logits, batch)
@@ -105,6 +112,22 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         for i, lp in zip(asking, gather_logprobs(raw, tokens[asking], nums), strict=True):
             logprobs[i] = lp
     return SamplerOutput(tokens.tolist(), logprobs)
+
+
+_BITS = torch.arange(32, dtype=torch.int32)
+
+
+def apply_token_bitmask(
+    logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor
+) -> torch.Tensor:
+    """`logits` (a new tensor) with -inf at each token that `rows`' packed bitmask (xgrammar's
+    layout: bit b of word w is token 32 w + b) does not allow. Unpacked with one shift over
+    [rows, words, 32], no loop over the vocabulary."""
+    vocab = logits.shape[-1]
+    allowed = ((bitmask[:, :, None] >> _BITS) & 1).reshape(len(rows), -1)[:, :vocab].bool()
+    logits = logits.clone()
+    logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
+    return logits
 
 
 def processed_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
@@ -297,13 +320,21 @@ class Sampler:
             state.seen[fresh] = True
             state.seen_ids = torch.cat([state.seen_ids, fresh])
 
-    def sample(self, logits: torch.Tensor, reqs: list[ScheduledRequest]) -> SamplerOutput:
-        """The next token of each of `reqs` from its row of `logits`."""
-        return sample(logits, self.batch(reqs))
+    def sample(
+        self,
+        logits: torch.Tensor,
+        reqs: list[ScheduledRequest],
+        grammar_bitmask: GrammarBitmask | None = None,
+    ) -> SamplerOutput:
+        """The next token of each of `reqs` from its row of `logits`, within what the step's
+        grammars allow."""
+        return sample(logits, self.batch(reqs, grammar_bitmask))
 
-    def batch(self, reqs: list[ScheduledRequest]) -> SamplingBatch:
+    def batch(
+        self, reqs: list[ScheduledRequest], grammar_bitmask: GrammarBitmask | None = None
+    ) -> SamplingBatch:
         """The step's rows as tensors: the basics from the step message, the rest from the
-        kept state."""
+        kept state, the grammars' bitmask from the step message."""
         states = [self._requests.get(s.request_id) for s in reqs]
         batch = SamplingBatch(
             temperature=torch.tensor([s.temperature for s in reqs]),
@@ -314,6 +345,8 @@ class Sampler:
         )
         if any(states):
             self._add_controls(batch, reqs, states)
+        if grammar_bitmask is not None:
+            batch.allowed = _bitmask_rows(grammar_bitmask, reqs)
         return batch
 
     def _add_controls(
@@ -369,6 +402,15 @@ class Sampler:
             raw = torch.log_softmax(compute_logits(hidden[a:b]), dim=-1)
             out += gather_logprobs(raw, targets[a:b], [k] * (b - a))
         return PromptLogprobs(start + 1, out)
+
+
+def _bitmask_rows(
+    grammar_bitmask: GrammarBitmask, reqs: list[ScheduledRequest]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step's bitmask with the batch row of each of its requests."""
+    row_of = {s.request_id: i for i, s in enumerate(reqs)}
+    rows = [row_of[request_id] for request_id in grammar_bitmask.request_ids]
+    return torch.tensor(rows, dtype=torch.long), torch.from_numpy(grammar_bitmask.bitmask)
 
 
 def _penalties(rows: list[tuple[int, _RequestSampling]]) -> Penalties:
