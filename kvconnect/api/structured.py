@@ -25,12 +25,18 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 MAX_TOOLS = 128
-MAX_CHOICES = 1024
+MAX_CHOICES = 256
+MAX_CHOICES_CHARS = 16 << 10
+"""All choices together at most: compiling them grows with their text (256 choices of 4 KiB
+took 52 s here; 16 KiB takes about 0.2 s)."""
+MAX_SCHEMA_DEPTH = 64
+"""Nesting of a JSON schema at most: xgrammar's compile time grows steeply with depth (300
+levels took 1.7 s here, 950 levels 128 s), and a request must not buy minutes of CPU."""
 ToolName = Annotated[str, msgspec.Meta(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
 """OpenAI's rule for a function name."""
-Choice = Annotated[str, msgspec.Meta(min_length=1, max_length=4096)]
+Choice = Annotated[str, msgspec.Meta(min_length=1, max_length=1024)]
 Choices = Annotated[list[Choice], msgspec.Meta(min_length=1, max_length=MAX_CHOICES)]
-GrammarText = Annotated[str, msgspec.Meta(min_length=1, max_length=1 << 16)]
+GrammarText = Annotated[str, msgspec.Meta(min_length=1, max_length=16 << 10)]
 
 
 class JsonSchemaFormat(msgspec.Struct, kw_only=True):
@@ -109,7 +115,8 @@ def from_response_format(fmt: ResponseFormat) -> GrammarSpec | None:
             'response_format of type "json_schema" needs json_schema.schema',
             "response_format.json_schema",
         )
-    return GrammarSpec("json", json.dumps(fmt.json_schema.schema), "response_format.json_schema")
+    param = "response_format.json_schema"
+    return GrammarSpec("json", schema_text(fmt.json_schema.schema, param), param)
 
 
 def from_structured_outputs(so: StructuredOutputs) -> GrammarSpec:
@@ -124,12 +131,14 @@ def from_structured_outputs(so: StructuredOutputs) -> GrammarSpec:
     kind = given[0]
     param = f"structured_outputs.{kind}"
     if kind == "json":
-        text = so.json if isinstance(so.json, str) else json.dumps(so.json)
-        return GrammarSpec("json", text, param)
+        assert so.json is not None
+        return GrammarSpec("json", schema_text(so.json, param), param)
     if kind == "json_object":
         return GrammarSpec("json_object", None, param)
     if kind == "choice":
         assert so.choice is not None
+        if sum(len(c) for c in so.choice) > MAX_CHOICES_CHARS:
+            raise SpecError(f"{param}: more than {MAX_CHOICES_CHARS} characters in all", param)
         return GrammarSpec("choice", tuple(so.choice), param)
     value = getattr(so, kind)
     return GrammarSpec(kind, value, param)  # type: ignore[arg-type]
@@ -171,7 +180,38 @@ def tool_schema(tools: list[Tool], choice: ToolChoice | None) -> dict[str, Any] 
 
 
 def _parameters(tool: Tool) -> dict[str, Any]:
-    return tool.function.parameters or {"type": "object", "properties": {}}
+    params = tool.function.parameters or {"type": "object", "properties": {}}
+    schema_text(params, "tools")  # its depth
+    return params
+
+
+def schema_text(schema: dict[str, Any] | str, param: str) -> str:
+    """A schema as JSON text, `SpecError` naming `param` if it nests deeper than
+    MAX_SCHEMA_DEPTH (text that is not JSON is left for the compiler to name)."""
+    too_deep = SpecError(f"{param}: the schema nests deeper than {MAX_SCHEMA_DEPTH} levels", param)
+    try:
+        value = json.loads(schema) if isinstance(schema, str) else schema
+    except ValueError:
+        return str(schema)
+    except RecursionError:
+        raise too_deep from None
+    if depth(value) > MAX_SCHEMA_DEPTH:
+        raise too_deep
+    return json.dumps(value)
+
+
+def depth(value: Any) -> int:
+    """How deep lists and dicts nest in `value` (no recursion: any depth is measured)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, level = stack.pop()
+        children = (
+            item.values() if isinstance(item, dict) else item if isinstance(item, list) else ()
+        )
+        if isinstance(item, dict | list):
+            deepest = max(deepest, level)
+            stack.extend((child, level + 1) for child in children)
+    return deepest
 
 
 def grammar_spec(
