@@ -61,7 +61,7 @@ class StructuredOutputs(msgspec.Struct, kw_only=True):
     grammar: GrammarText | None = None
 
 
-class FunctionDefinition(msgspec.Struct, kw_only=True):
+class FunctionDefinition(msgspec.Struct, kw_only=True, omit_defaults=True):
     name: ToolName
     description: str | None = None
     parameters: dict[str, Any] | None = None
