@@ -1,5 +1,6 @@
 """Structured output and tools as request fields (api/structured.py): one grammar per request,
-a forced tool call's schema as vLLM builds it, and the bounds, each refusal naming its field."""
+a forced tool call's schema as vLLM builds it, the bounds, each refusal naming its field, and
+the tools handed to the chat template."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 
 from kvconnect.api.protocol import ApiError, ChatCompletionRequest, CompletionRequest, parse
 from kvconnect.api.structured import MAX_SCHEMA_DEPTH, GrammarSpec
+from kvconnect.tokenizer import ByteTokenizer, render_chat
 
 HI = [{"role": "user", "content": "hi"}]
 POINT = {
@@ -126,3 +128,13 @@ def test_a_request_that_asks_too_much_is_a_400_naming_the_field(
     kind: type[Any], fields: dict[str, Any], param: str
 ) -> None:
     assert refused(kind, **fields).param == param
+
+
+def test_tools_reach_the_chat_template_which_may_ignore_them() -> None:
+    request = chat(tools=TOOLS, tool_choice="required")
+    shows = "{% for t in tools %}{{ t.function.name }};{% endfor %}{{ messages[0].content }}"
+    assert render_chat(shows, request.conversation(), tools=request.tool_dicts()) == "move;stop;hi"
+    ignores = ByteTokenizer()  # the byte model's template, like SmolLM2's, has no tools
+    assert ignores.apply_chat_template(HI, tools=request.tool_dicts()) == (
+        ignores.apply_chat_template(HI)
+    )
