@@ -114,17 +114,21 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
     return SamplerOutput(tokens.tolist(), logprobs)
 
 
-_BITS = torch.arange(32, dtype=torch.int32)
+_BYTE_BITS = ((torch.arange(256)[:, None] >> torch.arange(8)) & 1).bool()
+"""[256, 8]: the bits of each byte value, lowest first."""
 
 
 def apply_token_bitmask(
     logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor
 ) -> torch.Tensor:
     """`logits` (a new tensor) with -inf at each token that `rows`' packed bitmask (xgrammar's
-    layout: bit b of word w is token 32 w + b) does not allow. Unpacked with one shift over
-    [rows, words, 32], no loop over the vocabulary."""
+    layout: bit b of int32 word w is token 32 w + b) does not allow. Read as little-endian (as
+    x86 and ARM store them)
+    bytes, token t is bit t % 8 of byte t // 8: one lookup of each byte's 8 bits unpacks it,
+    no loop over the vocabulary (half the time of shifting each word 32 ways, measured)."""
     vocab = logits.shape[-1]
-    allowed = ((bitmask[:, :, None] >> _BITS) & 1).reshape(len(rows), -1)[:, :vocab].bool()
+    allowed = _BYTE_BITS[bitmask.contiguous().view(torch.uint8).long()]
+    allowed = allowed.reshape(len(rows), -1)[:, :vocab]
     logits = logits.clone()
     logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
     return logits
