@@ -122,10 +122,10 @@ def apply_token_bitmask(
     logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor
 ) -> torch.Tensor:
     """`logits` (a new tensor) with -inf at each token that `rows`' packed bitmask (xgrammar's
-    layout: bit b of int32 word w is token 32 w + b) does not allow. Read as little-endian (as
-    x86 and ARM store them)
-    bytes, token t is bit t % 8 of byte t // 8: one lookup of each byte's 8 bits unpacks it,
-    no loop over the vocabulary (half the time of shifting each word 32 ways, measured)."""
+    layout: bit b of int32 word w is token 32 w + b) does not allow. Read as little-endian
+    bytes (as x86 and ARM store words), token t is bit t % 8 of byte t // 8: one lookup of
+    each byte's 8 bits unpacks it, no loop over the vocabulary (half the time of shifting each
+    word 32 ways, measured)."""
     vocab = logits.shape[-1]
     allowed = _BYTE_BITS[bitmask.contiguous().view(torch.uint8).long()]
     allowed = allowed.reshape(len(rows), -1)[:, :vocab]
