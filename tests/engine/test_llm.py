@@ -127,7 +127,7 @@ CONTROLS = SamplingParams(
 
 
 GRAMMAR = SamplingParams(
-    max_tokens=40,
+    max_tokens=24,  # the regex's longest (20) and EOS fit
     temperature=1.0,
     seed=5,
     structured_outputs=StructuredOutputsParams(regex="[a-z]{2,6}( [a-z]{2,6}){2}"),
