@@ -101,7 +101,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         logits = apply_token_bitmask(logits, *batch.allowed)
     asking = [i for i, k in enumerate(batch.num_logprobs) if k is not None]
     raw = torch.log_softmax(logits[asking], dim=-1) if asking else None
-    logits = processed_logits(logits, batch)
+    logits = _grammar_first(logits, processed_logits(logits, batch), batch)
     tokens = logits.argmax(dim=-1)
     rows = torch.nonzero(batch.temperature > 0).flatten()
     if rows.numel():
@@ -132,6 +132,20 @@ def apply_token_bitmask(
     logits = logits.clone()
     logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
     return logits
+
+
+def _grammar_first(
+    masked: torch.Tensor, processed: torch.Tensor, batch: SamplingBatch
+) -> torch.Tensor:
+    """`processed`, except a grammar row whose bans (min_tokens, bad words) left it no token:
+    that row keeps its grammar's tokens (e.g. EOS, the only token a complete grammar allows,
+    under min_tokens), so that the output stays grammatical."""
+    if batch.allowed is None or processed is masked:
+        return processed
+    dead = ~torch.isfinite(processed).any(dim=-1)
+    if bool(dead.any()):
+        processed[dead] = masked[dead]
+    return processed
 
 
 def processed_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

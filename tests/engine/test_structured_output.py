@@ -152,3 +152,20 @@ def test_token_bytes_join_to_the_text_for_byte_level_bpe() -> None:
     assert b"".join(pieces[i] for i in ids).decode() == tok.decode(ids)
     assert tok.eos_token_id is not None and pieces[tok.eos_token_id] == b""  # special: no text
     assert re.fullmatch(rb" ?the", pieces[tok.encode(" the")[0]])
+
+
+def test_a_ban_that_leaves_a_grammar_no_token_gives_way_to_the_grammar(
+    compiler: GrammarCompiler,
+) -> None:
+    """min_tokens bans EOS, the only token a complete grammar allows: the grammar wins."""
+    grammar = compiler.matcher(DIGITS)
+    for ch in b"42":
+        grammar.accept(ch)
+    mask = grammar_bitmask([("r", grammar)])
+    assert mask is not None
+    rows = batch(1, 0.0, torch.from_numpy(mask.bitmask))
+    rows.banned = (torch.tensor([0]), torch.tensor([BYTE_EOS]))
+    assert sample(torch.zeros(1, VOCAB), rows).token_ids == [BYTE_EOS]
+    free = batch(1, 0.0, torch.full((1, 9), -1, dtype=torch.int32))  # allows all
+    free.banned = (torch.tensor([0]), torch.tensor([0]))
+    assert sample(torch.zeros(1, VOCAB), free).token_ids != [0]  # other bans still hold
