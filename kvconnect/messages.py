@@ -17,6 +17,9 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+import numpy.typing as npt
+
 
 class KVConnectorMetadata:
     """Scheduler -> worker, one per step, built by `build_connector_meta`. "None" is no data."""
@@ -187,6 +190,16 @@ class NewRequestData:
 
 
 @dataclass
+class GrammarBitmask:
+    """The tokens the grammars allow this step, for the sampling rows whose request has one
+    (filled by the scheduler, which keeps the matchers: engine/structured_output.py)."""
+
+    request_ids: list[str]
+    bitmask: npt.NDArray[np.int32]
+    """[len(request_ids), ceil(vocab / 32)]: bit b of word w set if token 32 w + b is allowed."""
+
+
+@dataclass
 class SchedulerOutput:
     """One step's work for the workers, and what connectors read in `build_connector_meta`."""
 
@@ -199,6 +212,8 @@ class SchedulerOutput:
     kv_connector_metadata: KVConnectorMetadata | None = None
     stuck_req_id: str | None = None
     """A waiting request that does not fit even though nothing else holds blocks."""
+    grammar_bitmask: GrammarBitmask | None = None
+    """None when no sampling row this step has a grammar."""
 
     @property
     def total_num_scheduled_tokens(self) -> int:

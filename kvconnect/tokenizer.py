@@ -2,7 +2,8 @@
 
     load_tokenizer(model) -> Tokenizer          model as `model_source.resolve_model` takes it
     tokenizer.encode(text) / decode(ids)        no special tokens added: the engine sees the text
-    tokenizer.apply_chat_template(messages)     the prompt text, rendered as transformers does
+    tokenizer.apply_chat_template(messages, tools=...)   the prompt text, as transformers renders it
+    tokenizer.token_bytes()                     each token's bytes in the text (for grammars)
 
 A GGUF file's byte-level BPE (`tokenizer.ggml.model` "gpt2") is rebuilt from its vocabulary and
 merges with the `tokenizers` library, its control tokens (`<|im_start|>`, ...) kept whole, so it
@@ -48,8 +49,12 @@ class Tokenizer(Protocol):
 
     def encode(self, text: str) -> list[int]: ...
     def decode(self, token_ids: list[int]) -> str: ...
+    def token_bytes(self) -> list[bytes]: ...
     def apply_chat_template(
-        self, messages: Sequence[Message], add_generation_prompt: bool = True
+        self,
+        messages: Sequence[Message],
+        add_generation_prompt: bool = True,
+        tools: Sequence[Message] | None = None,
     ) -> str: ...
 
 
@@ -60,11 +65,16 @@ class _Chat:
     special_tokens: dict[str, str] = {}
 
     def apply_chat_template(
-        self, messages: Sequence[Message], add_generation_prompt: bool = True
+        self,
+        messages: Sequence[Message],
+        add_generation_prompt: bool = True,
+        tools: Sequence[Message] | None = None,
     ) -> str:
         if self.chat_template is None:
             raise ChatTemplateError("this model has no chat template")
-        return render_chat(self.chat_template, messages, add_generation_prompt, self.special_tokens)
+        return render_chat(
+            self.chat_template, messages, add_generation_prompt, self.special_tokens, tools
+        )
 
 
 class ByteTokenizer(_Chat):
@@ -79,6 +89,10 @@ class ByteTokenizer(_Chat):
 
     def decode(self, token_ids: list[int]) -> str:
         return bytes(t for t in token_ids if t < 256).decode("utf-8", errors="replace")
+
+    def token_bytes(self) -> list[bytes]:
+        """Each token's bytes in the text; b"" for BOS and EOS (they show no text)."""
+        return [bytes([b]) for b in range(256)] + [b"", b""]
 
 
 class HFTokenizer(_Chat):
@@ -122,6 +136,23 @@ class HFTokenizer(_Chat):
 
     def decode(self, token_ids: list[int]) -> str:
         return str(self._tok.decode(token_ids, skip_special_tokens=True))
+
+    def token_bytes(self) -> list[bytes]:
+        """Each token id's bytes in the decoded text (what a grammar matches), b"" for the
+        special tokens, which `decode` drops. Byte-level BPE pieces map back through GPT-2's
+        byte alphabet; a piece outside it (an added token) is its UTF-8 text."""
+        alphabet = {c: b for b, c in enumerate(_byte_chars())}
+        vocab: dict[str, int] = self._tok.get_vocab(with_added_tokens=True)
+        out = [b""] * (max(vocab.values(), default=-1) + 1)
+        special = {t.content for t in self._tok.get_added_tokens_decoder().values() if t.special}
+        for piece, i in vocab.items():
+            if piece in special:
+                continue
+            if all(c in alphabet for c in piece):
+                out[i] = bytes(alphabet[c] for c in piece)
+            else:
+                out[i] = piece.encode()
+        return out
 
 
 def gguf_tokenizer(path: Path) -> HFTokenizer:
@@ -183,8 +214,8 @@ def gguf_tokenizer(path: Path) -> HFTokenizer:
 
 
 @lru_cache(maxsize=1)
-def _byte_alphabet() -> set[str]:
-    """The 256 printable characters byte-level BPE writes bytes as (GPT-2's mapping)."""
+def _byte_chars() -> tuple[str, ...]:
+    """The printable character byte-level BPE writes each byte as (GPT-2's mapping)."""
     printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
     chars, extra = [], 0
     for b in range(256):
@@ -193,7 +224,11 @@ def _byte_alphabet() -> set[str]:
         else:
             chars.append(chr(256 + extra))
             extra += 1
-    return set(chars)
+    return tuple(chars)
+
+
+def _byte_alphabet() -> set[str]:
+    return set(_byte_chars())
 
 
 def load_tokenizer(model: str, eos_token_id: int | None = None) -> Tokenizer:
@@ -218,14 +253,17 @@ def render_chat(
     messages: Sequence[Message],
     add_generation_prompt: bool = True,
     special_tokens: Mapping[str, str] | None = None,
+    tools: Sequence[Message] | None = None,
 ) -> str:
-    """`template` applied to `messages`, as transformers' `apply_chat_template` renders it."""
+    """`template` applied to `messages`, as transformers' `apply_chat_template` renders it;
+    `tools` (OpenAI's function tools) are the template's `tools`, which a template that
+    does not mention them ignores (as in transformers and vLLM)."""
     try:
         compiled = _compile(template)
         text: str = compiled.render(
             messages=[dict(m) for m in messages],
             add_generation_prompt=add_generation_prompt,
-            tools=None,
+            tools=[dict(t) for t in tools] if tools else None,
             documents=None,
             **(special_tokens or {}),
         )

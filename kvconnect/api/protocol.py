@@ -5,8 +5,9 @@
 
 Every field is typed (no coercion: "4" and 4.5 are not a max_tokens) and bounded; a bad one is
 a 400 whose body is OpenAI's `{"error": {"message", "type", "param", "code"}}` naming it.
-Unknown fields are ignored, as OpenAI does; fields kvconnect does not implement (tools,
-structured output, images...) are refused when set, never silently dropped. Sampling controls
+Unknown fields are ignored, as OpenAI does; fields kvconnect does not implement (images,
+tool_choice "auto", ...) are refused when set, never silently dropped. Structured output and
+tools are read by `api/structured.py` into the request's one grammar. Sampling controls
 and logprobs take vLLM's names and bounds (`logprobs` and `top_logprobs` up to vLLM's 20, not
 OpenAI's 5; `logit_bias` values clamped to [-100, 100]); the engine's `SamplingParams` checks
 them again, and the server names the request's field when it refuses one. The prompt is
@@ -22,6 +23,17 @@ from collections.abc import Callable
 from typing import Annotated, Any, TypeVar
 
 import msgspec
+
+from kvconnect.api.structured import (
+    GrammarSpec,
+    NamedToolChoice,
+    ResponseFormat,
+    SpecError,
+    StructuredOutputs,
+    ToolChoice,
+    Tools,
+    grammar_spec,
+)
 
 MAX_BODY_BYTES = 4 << 20
 """Larger bodies get 413 before they are parsed."""
@@ -132,6 +144,10 @@ class _Sampling(BaseRequest, kw_only=True):
     prompt_logprobs: NumLogprobs | None = None
     """vLLM's: each prompt token's logprob (the first null) with this many alternatives; not
     with stream (vLLM refuses them there too, unless 0)."""
+    response_format: ResponseFormat | None = None
+    """OpenAI's: json_object or json_schema (vLLM takes it on completions too)."""
+    structured_outputs: StructuredOutputs | None = None
+    """vLLM's: json, json_object, regex, choice or grammar."""
 
     def check_unsupported(self) -> None:
         if self.stream_options is not None and not self.stream:
@@ -139,6 +155,15 @@ class _Sampling(BaseRequest, kw_only=True):
         if self.stream and self.prompt_logprobs:
             raise ApiError("prompt_logprobs are not available with stream: true", "prompt_logprobs")
         self.token_biases()
+        self.grammar()
+
+    def grammar(self) -> GrammarSpec | None:
+        """The one grammar the output follows, if any (`ApiError` naming the field if the
+        request asks for two)."""
+        try:
+            return grammar_spec(self.response_format, self.structured_outputs)
+        except SpecError as e:
+            raise ApiError(str(e), e.param) from None
 
     def token_biases(self) -> dict[int, float] | None:
         """`logit_bias` with token ids for keys and values clamped, as vLLM reads it."""
@@ -224,6 +249,10 @@ class ChatMessage(msgspec.Struct):
     role: str
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    """An assistant's calls, handed to the chat template as given."""
+    tool_call_id: str | None = None
+    """A tool message's answer to that call."""
 
     def text(self, index: int) -> str:
         if self.content is None or isinstance(self.content, str):
@@ -253,28 +282,58 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     logprobs: bool | None = False
     top_logprobs: NumLogprobs | None = None
     """With `logprobs`: this many most likely alternatives of each token."""
-    tools: list[Any] | None = None
-    tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
+    tools: Tools | None = None
+    """Function tools, handed to the chat template; called as `tool_choice` says."""
+    tool_choice: ToolChoice | None = None
+    """"required" or a named function: the output is a call, valid JSON for the parameters
+    (through the grammar). "none": no call. "auto" needs a tool call parser, which
+    kvconnect does not have: refused (vLLM refuses it without --tool-call-parser)."""
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
         if self.top_logprobs and not self.logprobs:
             raise ApiError("top_logprobs needs logprobs: true", "top_logprobs")
-        if self.tools:
-            raise ApiError("tools are not supported", "tools")
-        if self.tool_choice not in (None, "none"):
-            raise ApiError("tool_choice is not supported", "tool_choice")
-        if self.response_format not in (None, {"type": "text"}):
-            raise ApiError("response_format other than text is not supported", "response_format")
+        self._check_tools()
         check_roles(self.messages)
+
+    def _check_tools(self) -> None:
+        if self.tool_choice not in (None, "none") and not self.tools:
+            raise ApiError("tool_choice needs tools", "tool_choice")
+        if self.tools and self.tool_choice in (None, "auto"):
+            raise ApiError(
+                'tool_choice "auto" (the default with tools) needs a tool call parser, which '
+                'this server does not have: give "required", a named function or "none"',
+                "tool_choice",
+            )
+
+    def grammar(self) -> GrammarSpec | None:
+        try:
+            return grammar_spec(
+                self.response_format, self.structured_outputs, self.tools, self.tool_choice
+            )
+        except SpecError as e:
+            raise ApiError(str(e), e.param) from None
+
+    @property
+    def forced_tool(self) -> str | None:
+        """The function the answer must call ("" for any of the tools: "required"); None
+        when the answer is text."""
+        if not self.tools:
+            return None
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return self.tool_choice.function.name
+        return "" if self.tool_choice == "required" else None
+
+    def tool_dicts(self) -> list[dict[str, Any]] | None:
+        """The tools as a chat template takes them."""
+        return msgspec.to_builtins(self.tools) if self.tools else None
 
     @property
     def completion_tokens(self) -> int | None:
         """The output limit: max_completion_tokens, else max_tokens; None: what fits."""
         return self.max_completion_tokens or self.max_tokens
 
-    def conversation(self) -> list[dict[str, str]]:
+    def conversation(self) -> list[dict[str, Any]]:
         """The messages as a chat template takes them: role and text content."""
         return as_conversation(self.messages)
 
@@ -288,12 +347,16 @@ def check_roles(messages: list[ChatMessage]) -> None:
             )
 
 
-def as_conversation(messages: list[ChatMessage]) -> list[dict[str, str]]:
+def as_conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     out = []
     for i, m in enumerate(messages):
-        message = {"role": m.role, "content": m.text(i)}
+        message: dict[str, Any] = {"role": m.role, "content": m.text(i)}
         if m.name is not None:
             message["name"] = m.name
+        if m.tool_calls is not None:
+            message["tool_calls"] = m.tool_calls
+        if m.tool_call_id is not None:
+            message["tool_call_id"] = m.tool_call_id
         out.append(message)
     return out
 

@@ -3,7 +3,8 @@
     completion       {"id": "cmpl-..", "object": "text_completion", "choices": [{"index",
                       "text", "logprobs", "finish_reason", "stop_reason"}], "usage"}
     chat completion  {"id": "chatcmpl-..", "object": "chat.completion", "choices": [{"index",
-                      "message": {"role", "content"}, "logprobs", "finish_reason", ...}], "usage"}
+                      "message": {"role", "content", "tool_calls"?}, "logprobs",
+                      "finish_reason", ...}], "usage"}
 
 `logprobs` come built (serve/logprobs.py: OpenAI's shapes); null when not asked for.
     stream           "data: <chunk>\\n\\n" ... then "data: [DONE]\\n\\n"; with
@@ -70,12 +71,17 @@ class Envelope:
         token_ids: TokenIds | None = None,
         logprobs: dict[str, Any] | None = None,
         prompt_logprobs: list[Any] | None = None,
+        tool_calls: list[dict[str, Any]] | None = None,
     ) -> dict[str, Any]:
-        """One choice of a whole answer; `prompt_logprobs` (vLLM's) only in a completion's."""
+        """One choice of a whole answer; `prompt_logprobs` (vLLM's) only in a completion's;
+        a chat message with `tool_calls` has empty content (as vLLM answers)."""
         if self.chat:
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            if tool_calls is not None:
+                message = {"role": "assistant", "content": "", "tool_calls": tool_calls}
             choice: dict[str, Any] = {
                 "index": index,
-                "message": {"role": "assistant", "content": text},
+                "message": message,
                 "logprobs": logprobs,
                 "finish_reason": finish_reason,
                 "stop_reason": stop_reason,
@@ -116,11 +122,14 @@ class Envelope:
         first: bool = False,
         token_ids: TokenIds | None = None,
         logprobs: dict[str, Any] | None = None,
+        tool_calls: list[dict[str, Any]] | None = None,
     ) -> bytes:
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant"} if first else {}
             if text:
                 delta["content"] = text
+            if tool_calls:
+                delta["tool_calls"] = tool_calls
             choice: dict[str, Any] = {"index": index, "delta": delta, "logprobs": logprobs}
         else:
             choice = {"index": index, "text": text or "", "logprobs": logprobs}

@@ -21,6 +21,7 @@ from kvconnect.api.protocol import (
     check_size,
     validated,
 )
+from kvconnect.api.structured import Tools
 
 
 class TokenizeCompletionRequest(BaseRequest, kw_only=True):
@@ -48,7 +49,8 @@ class TokenizeChatRequest(BaseRequest, kw_only=True):
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     mm_processor_kwargs: dict[str, Any] | None = None
-    tools: list[Any] | None = None
+    tools: Tools | None = None
+    """Handed to the chat template, as chat completions hands them."""
 
     def check_unsupported(self) -> None:
         if self.continue_final_message and self.add_generation_prompt:
@@ -59,13 +61,16 @@ class TokenizeChatRequest(BaseRequest, kw_only=True):
             )
         if self.chat_template is not None:
             raise ApiError("chat_template is not supported (the model's is used)", "chat_template")
-        for name in ("chat_template_kwargs", "mm_processor_kwargs", "tools"):
+        for name in ("chat_template_kwargs", "mm_processor_kwargs"):
             if getattr(self, name):
                 raise ApiError(f"{name} is not supported", name)
         check_roles(self.messages)
 
-    def conversation(self) -> list[dict[str, str]]:
+    def conversation(self) -> list[dict[str, Any]]:
         return as_conversation(self.messages)
+
+    def tool_dicts(self) -> list[dict[str, Any]] | None:
+        return msgspec.to_builtins(self.tools) if self.tools else None
 
 
 class DetokenizeRequest(BaseRequest, kw_only=True):

@@ -40,6 +40,7 @@ from kvconnect.engine.multiproc_executor import MultiprocExecutor
 from kvconnect.engine.output import OutputProcessor, RequestDelta, RequestState, request_output
 from kvconnect.engine.request import Request, RequestOutput, RequestStatus, SamplingParams
 from kvconnect.engine.scheduler import Scheduler, SchedulerConfig
+from kvconnect.engine.structured_output import GrammarCompiler
 from kvconnect.engine.uniproc_executor import UniProcExecutor
 from kvconnect.engine.worker import WorkerConfig
 from kvconnect.hashing import DEFAULT_ALGORITHM
@@ -87,6 +88,9 @@ class EngineInfo:
     """Token ids are in [0, vocab_size)."""
     tokenizer: Tokenizer
     """The model's tokenizer (encode, decode, chat template)."""
+    grammars: GrammarCompiler
+    """Compiles structured-output specs (cached): a front checks a request's with it, and
+    the engine finds it compiled."""
 
 
 @dataclass(frozen=True)
@@ -188,7 +192,9 @@ class LLM:
         """The engine's limits: `max_model_len` if given, else the most that both the model's
         positions and the KV cache hold."""
         limit = max_model_len or min(self.model_config.max_position_embeddings, kv_cache_tokens)
-        return EngineInfo(self.model, limit, self.model_config.vocab_size, self.tokenizer)
+        vocab = self.model_config.vocab_size
+        grammars = GrammarCompiler(self.tokenizer, vocab)
+        return EngineInfo(self.model, limit, vocab, self.tokenizer, grammars)
 
     def _create_scheduler(
         self,
@@ -250,6 +256,8 @@ class LLM:
             eos_token_id=self.tokenizer.eos_token_id,
             **kwargs,
         )
+        if params.structured_outputs is not None:
+            request.grammar = self.info.grammars.matcher(params.structured_outputs)
         self.scheduler.add_request(request)
         self._states[request.request_id] = self.outputs.add(request)
         return request

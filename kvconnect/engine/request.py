@@ -7,6 +7,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvconnect.engine.structured_output import Grammar, StructuredOutputsParams
 from kvconnect.hashing import DEFAULT_ALGORITHM, ExtraKeys, RequestBlockHasher, to_event
 from kvconnect.messages import PositionLogprobs, SamplingOptions
 from kvconnect.tokenizer import Tokenizer
@@ -68,6 +69,9 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     """Return each prompt token's logprob (the first is None) with this many alternatives
     (0 to 20). Such a request reads nothing from the prefix cache, as in vLLM."""
+    structured_outputs: StructuredOutputsParams | None = None
+    """What the output must be (a JSON schema, a regex, ...): only tokens its grammar allows
+    are sampled, and the request stops when the grammar is complete."""
 
     def __post_init__(self) -> None:
         self._check_basics()
@@ -234,6 +238,8 @@ class Request:
         """Prompt tokens a connector loaded."""
         self.num_preemptions = 0
         self.error: str | None = None
+        self.grammar: Grammar | None = None
+        """The matcher of `sampling_params.structured_outputs`, set by the engine."""
         self._hasher = RequestBlockHasher(
             block_size, algorithm=hash_algorithm, seed=hash_seed, cache_salt=cache_salt
         )
@@ -256,6 +262,8 @@ class Request:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
         self._hasher.append([token_id])
+        if self.grammar is not None:
+            self.grammar.accept(token_id)
 
     def sampling_options(self) -> SamplingOptions | None:
         """What the workers keep for this request's sampling; None if it uses nothing beyond
@@ -285,6 +293,8 @@ class Request:
         """The finished status this request has reached, if any."""
         if not self.output_token_ids:
             return None
+        if self.grammar is not None and self.grammar.is_done:
+            return RequestStatus.FINISHED_STOPPED  # nothing more is grammatical
         params = self.sampling_params
         if len(self.output_token_ids) < params.min_tokens:
             return None

@@ -31,6 +31,7 @@ from kvconnect.connector.base import KVConnectorBase
 from kvconnect.engine.block_pool import BlockPool, KVCacheBlock
 from kvconnect.engine.kv_cache_manager import KVCacheManager
 from kvconnect.engine.request import Request, RequestStatus
+from kvconnect.engine.structured_output import grammar_bitmask
 from kvconnect.events import KVEventBatch
 from kvconnect.messages import (
     KVConnectorOutput,
@@ -159,6 +160,13 @@ class Scheduler:
         budget = self._schedule_running(scheduler_output, self.config.max_num_batched_tokens)
         self._schedule_waiting(scheduler_output, budget)
         scheduler_output.finished_req_ids, self._finished_req_ids = self._finished_req_ids, set()
+        scheduler_output.grammar_bitmask = grammar_bitmask(
+            [
+                (s.request_id, grammar)
+                for s in scheduler_output.scheduled
+                if s.sample and (grammar := self.requests[s.request_id].grammar) is not None
+            ]
+        )
         if self.connector is not None:
             scheduler_output.kv_connector_metadata = self.connector.build_connector_meta(
                 scheduler_output

@@ -7,7 +7,9 @@ Runs in its own process (`worker_main`), driven over a pipe by the executor:
 
 The connector's part of a step runs through `connector.step.run_worker_step`, in vLLM's order,
 with the forward pass inside it. Rank 0 samples the next tokens; every rank returns its
-`KVConnectorOutput`. Sampling is `engine/sampler.py`: one batched pass per step.
+`KVConnectorOutput`. Sampling is `engine/sampler.py`: one batched pass per step. A worker
+keeps no grammar: the step message carries the bitmask of the rows that have one (the
+scheduler keeps the matchers, `engine/structured_output.py`).
 """
 
 from __future__ import annotations
@@ -216,7 +218,9 @@ class ModelRunner:
                 rows.append(end - 1)
                 reqs.append(s)
         if rows:
-            result = self.sampler.sample(self.model.compute_logits(hidden[rows]), reqs)
+            result = self.sampler.sample(
+                self.model.compute_logits(hidden[rows]), reqs, scheduler_output.grammar_bitmask
+            )
             for s, token_id, lp in zip(reqs, result.token_ids, result.logprobs, strict=True):
                 out.sampled[s.request_id] = token_id
                 if lp is not None:

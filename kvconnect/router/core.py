@@ -190,7 +190,7 @@ class Router:
         if isinstance(req, ChatCompletionRequest):
             try:
                 text = self.tokenizer.apply_chat_template(
-                    req.conversation(), req.add_generation_prompt
+                    req.conversation(), req.add_generation_prompt, req.tool_dicts()
                 )
             except ChatTemplateError as e:
                 raise ApiError(str(e), "messages") from None

@@ -35,6 +35,7 @@ from kvconnect.serve.logprobs import (
     prompt_logprobs,
 )
 from kvconnect.serve.prepare import Prepared
+from kvconnect.serve.tool_calls import ToolCallStream, finish_reason, whole_calls
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,9 @@ class Shown:
     """vLLM's `prompt_logprobs` in a whole answer (asked for, or computed for echo)."""
     return_token_ids: bool = False
     include_usage: bool = False
+    forced_tool: str | None = None
+    """The function every choice calls ("" for any of the tools): its output is shown as
+    `tool_calls` (serve/tool_calls.py); None: as text."""
 
 
 @dataclass
@@ -66,6 +70,12 @@ class ChoiceView:
     echoed: bool = field(default=False, init=False)
     output: list[int] = field(default_factory=list, init=False)
     """The last output tokens so far: the next tokens' text context."""
+    calls: ToolCallStream | None = field(default=None, init=False)
+    """A streamed forced tool call's state."""
+
+    def __post_init__(self) -> None:
+        if self.shown.forced_tool is not None:
+            self.calls = ToolCallStream(self.shown.forced_tool)
 
     def logprobs(self, update: Update) -> tuple[str, dict[str, Any] | None]:
         """The text and `logprobs` this update adds to the choice."""
@@ -149,15 +159,21 @@ class Answer:
             lps = view.prompt_logprobs(whole)
             prompt_lps = prompt_lps if prompt_lps is not None else lps
             ids = (job.prompt, whole.token_ids) if self.shown.return_token_ids else None
+            forced = self.shown.forced_tool
+            calls = None if forced is None else whole_calls(forced, text)
+            reason = whole.finish_reason
+            if forced is not None:
+                reason = finish_reason(forced, reason, calls is not None)
             choices.append(
                 self.envelope.choice(
                     index,
                     text,
-                    whole.finish_reason,
+                    reason,
                     whole.stop_reason,
                     ids,
                     logprobs,
                     None if self.envelope.chat else lps,
+                    calls,
                 )
             )
         top = prompt_lps if self.envelope.chat else None
@@ -208,8 +224,10 @@ class Answer:
                 await response.write(sse(failure(update).body()))
                 return None
             if self._worth_a_chunk(update, started[index]):
-                await response.write(self._chunk(index, update, first=not started[index]))
-                started[index] = True
+                chunk = self._chunk(index, update, first=not started[index])
+                if chunk is not None:
+                    await response.write(chunk)
+                    started[index] = True
             if update.request is not None:
                 finals[index] = update.request
                 remaining -= 1
@@ -222,17 +240,27 @@ class Answer:
         with_tokens = shows_tokens and bool(update.token_ids)
         return bool(update.text) or with_tokens or not started or update.request is not None
 
-    def _chunk(self, index: int, update: Update, first: bool) -> bytes:
-        text, logprobs = self.views[index].logprobs(update)
+    def _chunk(self, index: int, update: Update, first: bool) -> bytes | None:
+        """The update's chunk; None for a tool call's text that completes nothing yet."""
+        view = self.views[index]
+        text, logprobs = view.logprobs(update)
         ids = (self.jobs[index].prompt, update.token_ids) if self.shown.return_token_ids else None
+        reason, calls = update.finish_reason, None
+        if view.calls is not None:
+            calls = view.calls.feed(text)
+            text = ""
+            reason = finish_reason(view.calls.forced, reason, view.calls.called)
+            if not (calls or first or reason or logprobs or ids):
+                return None
         return self.envelope.chunk(
             index,
             text,
-            update.finish_reason,
+            reason,
             update.stop_reason,
             first=first,
             token_ids=ids,
             logprobs=logprobs,
+            tool_calls=calls,
         )
 
 

@@ -6,7 +6,10 @@ rendered with the model's template), one `SamplingParams` per choice.
 The engine's `SamplingParams` checks every control again and names its own field
 (`SamplingParams.bad_words_token_ids=...`); such a refusal is answered here, with the field of
 the request it came from (`bad_words`), before any job reaches the engine. Token ids are
-checked against the vocabulary here too, for the same reason.
+checked against the vocabulary here too, for the same reason, and a structured-output spec
+(a response_format schema, vLLM's structured_outputs, the schema of a forced tool call) is
+compiled here with the engine's cached compiler: a bad schema, regex or grammar is a 400
+naming its field, and the engine then finds it compiled.
 """
 
 from __future__ import annotations
@@ -16,10 +19,13 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 from kvconnect.api.protocol import ApiError, ChatCompletionRequest, CompletionRequest
+from kvconnect.api.structured import GrammarSpec
 from kvconnect.engine.llm import EngineInfo
 from kvconnect.engine.request import SamplingParams, bad_words_token_ids
+from kvconnect.engine.structured_output import StructuredOutputsParams
 from kvconnect.serve.engine_loop import Job
 from kvconnect.tokenizer import ChatTemplateError, Tokenizer
 
@@ -36,6 +42,8 @@ class Prepared:
     """The request field the prompts came from, named in a refusal."""
     prompt_texts: list[str]
     """Each prompt as text: what `echo` puts before a choice's output."""
+    forced_tool: str | None = None
+    """The function each choice calls ("" for any of the tools); None: the answer is text."""
 
     @property
     def all_jobs(self) -> list[Job]:
@@ -47,7 +55,8 @@ def prepare(req: GenerateRequest, info: EngineInfo, loop: asyncio.AbstractEventL
     worker thread: a huge prompt must not stall the event loop."""
     tok = info.tokenizer
     if isinstance(req, ChatCompletionRequest):
-        texts = [render(tok, req.conversation(), req.add_generation_prompt)]
+        tools = req.tool_dicts()
+        texts = [render(tok, req.conversation(), req.add_generation_prompt, tools=tools)]
         prompts, param = [tok.encode(texts[0])], "messages"
     else:
         given = req.prompts()
@@ -55,26 +64,53 @@ def prepare(req: GenerateRequest, info: EngineInfo, loop: asyncio.AbstractEventL
         texts = [tok.decode(p) if isinstance(p, list) else p for p in given]
         param = "prompt"
     words = _bad_words(req, tok)
+    grammar = structured_outputs(req.grammar(), info)
     jobs = []
     for tokens in prompts:
         max_tokens = _max_tokens(req, info.max_model_len, len(tokens))
         choices = []
         for j in range(req.n):
-            params = _checked(req, info, partial(sampling_params, req, max_tokens, j, words))
-            choices.append(Job(tokens, params, loop, cache_salt=req.cache_salt))
+            build = partial(sampling_params, req, max_tokens, j, words, grammar)
+            choices.append(Job(tokens, _checked(req, info, build), loop, cache_salt=req.cache_salt))
         jobs.append(choices)
-    return Prepared(prompts, jobs, param, texts)
+    forced = req.forced_tool if isinstance(req, ChatCompletionRequest) else None
+    return Prepared(prompts, jobs, param, texts, forced)
+
+
+def structured_outputs(
+    spec: GrammarSpec | None, info: EngineInfo
+) -> StructuredOutputsParams | None:
+    """The engine's spec of the request's grammar, compiled (and so cached) now: `ApiError`
+    naming the request's field if it does not compile."""
+    if spec is None:
+        return None
+    value = spec.value
+    try:
+        params = StructuredOutputsParams(
+            json=value if spec.kind == "json" else None,  # type: ignore[arg-type]
+            json_object=spec.kind == "json_object",
+            regex=value if spec.kind == "regex" else None,  # type: ignore[arg-type]
+            choice=value if spec.kind == "choice" else None,  # type: ignore[arg-type]
+            grammar=value if spec.kind == "grammar" else None,  # type: ignore[arg-type]
+        )
+        info.grammars.compile(params)
+    except ValueError as e:
+        why = str(e).split(": ", 1)[-1]
+        raise ApiError(f"{spec.param}: {why}", spec.param) from None
+    return params
 
 
 def render(
     tok: Tokenizer,
-    conversation: list[dict[str, str]],
+    conversation: list[dict[str, Any]],
     add_generation_prompt: bool,
     continue_final_message: bool = False,
+    tools: list[dict[str, Any]] | None = None,
 ) -> str:
-    """The chat as the model's template renders it; `ApiError` naming `messages` if not."""
+    """The chat as the model's template renders it (with the tools, if the template shows
+    them); `ApiError` naming `messages` if not."""
     try:
-        text = tok.apply_chat_template(conversation, add_generation_prompt)
+        text = tok.apply_chat_template(conversation, add_generation_prompt, tools)
     except ChatTemplateError as e:
         raise ApiError(str(e), "messages") from None
     if continue_final_message:
@@ -106,7 +142,11 @@ def num_prompt_logprobs(req: GenerateRequest) -> int | None:
 
 
 def sampling_params(
-    req: GenerateRequest, max_tokens: int, j: int, bad_words: tuple[tuple[int, ...], ...]
+    req: GenerateRequest,
+    max_tokens: int,
+    j: int,
+    bad_words: tuple[tuple[int, ...], ...],
+    grammar: StructuredOutputsParams | None = None,
 ) -> SamplingParams:
     """Choice `j`'s sampling (seed s gives choices s, s+1, ...), with vLLM's defaults for
     what the request leaves out."""
@@ -128,6 +168,7 @@ def sampling_params(
         bad_words_token_ids=bad_words,
         logprobs=num_logprobs(req),
         prompt_logprobs=num_prompt_logprobs(req),
+        structured_outputs=grammar,
     )
 
 

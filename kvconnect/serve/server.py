@@ -7,7 +7,11 @@
                                 logit_bias, bad_words; logprobs, echo, prompt_logprobs
     POST /v1/chat/completions   messages rendered with the model's chat template; the same
                                 sampling fields, logprobs + top_logprobs; streamed as deltas
-                                when asked
+                                when asked; tools with tool_choice required, named or none
+                                (answered as tool_calls: tool_calls.py)
+    (both)                      structured output: response_format json_object/json_schema,
+                                vLLM's structured_outputs (json, regex, choice, grammar),
+                                through xgrammar in the engine's sampler
     GET  /v1/models             the one model served
     POST /tokenize              vLLM's: a prompt, or messages rendered as chat completions
                                 renders them -> count, max_model_len, tokens (token_strs)
@@ -177,6 +181,7 @@ class OpenAIServer:
             prompt_logprobs=num_prompt_logprobs(req) is not None,
             return_token_ids=req.return_token_ids,
             include_usage=req.include_usage,
+            forced_tool=prepared.forced_tool,
         )
         envelope = Envelope(chat=chat, model=self.model_name)
         return Answer(

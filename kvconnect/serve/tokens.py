@@ -26,7 +26,11 @@ def tokenize_body(info: EngineInfo, req: TokenizeCompletionRequest | TokenizeCha
     tok = info.tokenizer
     if isinstance(req, TokenizeChatRequest):
         text = render(
-            tok, req.conversation(), req.add_generation_prompt, req.continue_final_message
+            tok,
+            req.conversation(),
+            req.add_generation_prompt,
+            req.continue_final_message,
+            req.tool_dicts(),
         )
         tokens, param = tok.encode(text), "messages"
     else:

@@ -96,6 +96,8 @@ COMPLETION_FIELDS = [
     "echo",
     "best_of",
     "suffix",
+    "response_format",
+    "structured_outputs",
 ]
 CHAT_FIELDS = [
     *(f for f in COMPLETION_FIELDS if f not in ("prompt", "echo", "best_of", "suffix")),
@@ -105,7 +107,6 @@ CHAT_FIELDS = [
     "top_logprobs",
     "tools",
     "tool_choice",
-    "response_format",
 ]
 BAD_MESSAGES = [
     "[{}]",
@@ -120,6 +121,43 @@ BAD_MESSAGES = [
     '["hi"]',
     '[{"role": "user", "content": "' + "{{ 7*7 }}{% for x in range(99999999) %}" + '"}]',
 ]
+
+
+def nested(levels: int) -> dict[str, object]:
+    schema: dict[str, object] = {"type": "string"}
+    for _ in range(levels):
+        schema = {"type": "array", "items": schema}
+    return schema
+
+
+WEATHER_TOOL = {"type": "function", "function": {"name": "f", "parameters": nested(3)}}
+# Grammars that are hostile, huge, deep, empty, or at odds with the other controls.
+STRUCTURED: list[dict[str, object]] = [
+    {"structured_outputs": {"json": nested(20)}, "max_tokens": 16},
+    {"structured_outputs": {"json": nested(900)}},
+    {"structured_outputs": {"json": "[" * 100_000}},
+    {"structured_outputs": {"json": {"$ref": "#/nope"}}},
+    {"structured_outputs": {"json": {"type": "integer", "minimum": 9, "maximum": 1}}},
+    {"structured_outputs": {"regex": "(a|b)*" * 2000}},
+    {"structured_outputs": {"regex": "\u0000"}},
+    {"structured_outputs": {"regex": "a{0,100000}", "choice": ["a"]}},
+    {"structured_outputs": {"grammar": "root ::= root"}, "max_tokens": 4},
+    {"structured_outputs": {"grammar": 'root ::= "a" | ' * 5000 + '"b"'}},
+    {"structured_outputs": {"choice": ["x" * 1024] * 256}, "max_tokens": 2},
+    {"structured_outputs": {"choice": [f"{i:04}" + "x" * 252 for i in range(64)]}},
+    {"structured_outputs": {"choice": ["a"]}, "min_tokens": 5, "max_tokens": 8},
+    {"structured_outputs": {"regex": "a+"}, "logit_bias": {"97": -100}, "temperature": 2},
+    {"structured_outputs": {"json_object": True}, "bad_words": ["{"], "n": 4},
+    {"response_format": {"type": "json_schema", "json_schema": {"schema": True}}},
+    {"response_format": {"type": "json_schema", "json_schema": {"schema": nested(2)}},
+     "structured_outputs": {"regex": "a"}},
+    {"response_format": {"type": "json_object"}, "stream": True, "max_tokens": 16, "n": 3},
+    {"tools": [WEATHER_TOOL] * 128, "tool_choice": "required", "max_tokens": 16, "stream": True},
+    {"tools": [WEATHER_TOOL], "tool_choice": {"type": "function", "function": {"name": "f"}},
+     "min_tokens": 16, "max_tokens": 16, "n": 2},
+    {"tools": [{"type": "function", "function": {"name": "g", "parameters": nested(900)}}],
+     "tool_choice": "required"},
+]  # fmt: skip
 
 # Sampling controls and logprobs at their limits and in odd company: each a 200 or a 400.
 EXTREMES: list[dict[str, object]] = [
@@ -139,6 +177,7 @@ EXTREMES: list[dict[str, object]] = [
     {"min_p": 1, "top_p": 1e-9, "top_k": 1, "temperature": 2, "seed": 2**63 - 1},
     {"min_tokens": 2**20, "max_tokens": 2**20},
     {"min_tokens": 8, "max_tokens": 8, "stop": ["a"], "stop_token_ids": [257]},
+    *STRUCTURED,
 ]
 
 VALID_COMPLETION = {"prompt": "hello", "max_tokens": 1}

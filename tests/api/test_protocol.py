@@ -147,7 +147,7 @@ def test_chat_messages_roles_text_parts_and_unsupported_features() -> None:
         "messages[0].content"
     )
     assert refused(body(messages=[{"role": "user", "content": "x"}], tools=[{}]), kind).param == (
-        "tools"
+        "tools[0]"
     )
     assert refused(body(messages=[{"role": "user"}], max_tokens=0), kind).param == "max_tokens"
 

@@ -3,6 +3,7 @@
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -20,11 +21,13 @@ import torch
 from kvconnect import LLM, SamplingParams
 from kvconnect.engine.executor import EngineDeadError
 from kvconnect.engine.request import RequestStatus
+from kvconnect.engine.structured_output import StructuredOutputsParams
 from kvconnect.events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvconnect.hashing import to_wire
 from kvconnect.model.config import TINY
 from kvconnect.model.loader import tiny_state_dict
 from kvconnect.stream.subscriber import KVEventSubscriber, ReceivedBatch
+from kvconnect.tokenizer import BYTE_EOS
 from tests.connector.helpers import MODULE
 from tests.helpers import listening_sockets, read_through
 
@@ -123,14 +126,29 @@ CONTROLS = SamplingParams(
 )
 
 
+GRAMMAR = SamplingParams(
+    max_tokens=24,  # the regex's longest (20) and EOS fit
+    temperature=1.0,
+    seed=5,
+    structured_outputs=StructuredOutputsParams(regex="[a-z]{2,6}( [a-z]{2,6}){2}"),
+)
+
+
 def test_seeded_sampling_is_reproducible_across_tp() -> None:
+    """The same samples at TP 1 and 2, with the controls and with a grammar (its matcher is
+    the scheduler's: the workers only get the step's bitmask)."""
     params = SamplingParams(max_tokens=12, temperature=0.8, seed=11, ignore_eos=True)
-    runs, controlled = [], []
+    runs, controlled, grammatical = [], [], []
     for tp in (1, 2):
         with LLM("tiny", tensor_parallel_size=tp) as llm:
             runs.append([o.outputs[0].token_ids for o in llm.generate(PROMPTS[1:], params)])
             controlled.append([o.outputs[0] for o in llm.generate(PROMPTS[1:], CONTROLS)])
+            grammatical.append([o.outputs[0] for o in llm.generate(PROMPTS[1:], GRAMMAR)])
     assert runs[0] == runs[1]
+    assert [o.token_ids for o in grammatical[0]] == [o.token_ids for o in grammatical[1]]
+    for out in grammatical[0]:  # the grammar ended it: EOS is the only token it allows then
+        assert re.fullmatch("[a-z]{2,6}( [a-z]{2,6}){2}", out.text), out.text
+        assert out.finish_reason == "stop" and out.token_ids[-1] == BYTE_EOS
     assert runs[0][0] != dense_reference([PROMPTS[1]], 12)[0]  # not greedy
     ones, twos = controlled
     assert [o.token_ids for o in ones] == [o.token_ids for o in twos]

@@ -4,6 +4,7 @@ prefix cache, min_tokens, and bad input refused before it reaches a worker."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from dataclasses import replace
 
@@ -11,6 +12,7 @@ import pytest
 import torch
 
 from kvconnect import LLM, SamplingParams
+from kvconnect.engine.structured_output import StructuredOutputsParams
 from kvconnect.messages import PositionLogprobs
 from kvconnect.tokenizer import BYTE_EOS
 from tests.engine.test_llm import PROMPTS, assert_nothing_held, dense_model
@@ -113,7 +115,8 @@ def test_out_of_vocabulary_ids_are_refused_at_add_request_and_the_engine_goes_on
 
 
 def test_a_preempted_request_samples_as_if_it_never_was(llm: LLM) -> None:
-    """Its worker-side state (token counts, bad-word tail) is rebuilt on readmission."""
+    """Its worker-side state (token counts, bad-word tail) is rebuilt on readmission; its
+    grammar's matcher, kept with the scheduler, goes on where it was."""
     params = SamplingParams(
         max_tokens=40,
         ignore_eos=True,
@@ -124,6 +127,7 @@ def test_a_preempted_request_samples_as_if_it_never_was(llm: LLM) -> None:
         repetition_penalty=1.3,
         bad_words_token_ids=((100,), (101, 102)),
         logprobs=1,
+        structured_outputs=StructuredOutputsParams(regex="[a-z ]{30,60}"),
     )
     prompts = [PROMPTS[1][:30], PROMPTS[2] * 6, PROMPTS[1][10:40], PROMPTS[0][:35]]
     roomy = [o.outputs[0] for o in llm.generate(prompts, params)]
@@ -132,6 +136,7 @@ def test_a_preempted_request_samples_as_if_it_never_was(llm: LLM) -> None:
         assert tight.stats().num_preemptions > 0
         assert_nothing_held(tight)
     assert [o.token_ids for o in cramped] == [o.token_ids for o in roomy]
+    assert all(re.fullmatch("[a-z ]{30,40}", o.text) and "d" not in o.text for o in roomy)
     for a, b in zip(cramped, roomy, strict=True):
         assert a.logprobs is not None and b.logprobs is not None
         assert [lp.logprob for lp in a.logprobs] == pytest.approx(

@@ -1,13 +1,21 @@
 """The sampling controls through the OpenAI Python client, on completions and chat, against
 `kvconnect serve` and the router in front: presence/frequency/repetition penalties,
 logit_bias, and vLLM's min_p, min_tokens and bad_words change the output as they should, and
-a bad value is a 400 naming the request's field."""
+a bad value is a 400 naming the request's field.
+
+Structured output and forced tool calls (a grammar's bitmask in the same sampler) are tested
+here too, on the same two servers: random weights under a grammar still write only what the
+grammar allows, so every output parses, validates against its schema, matches its regex, is
+one of its choices; tool calls validate against their tool's parameters, streamed or not."""
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Iterator
 from typing import Any
 
+import jsonschema
 import openai
 import pytest
 
@@ -18,6 +26,24 @@ pytestmark = pytest.mark.slow
 
 PROMPT = "Hello"
 MESSAGES: Any = [{"role": "user", "content": "Hello"}]
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "enum": ["Paris", "Rome", "Oslo"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+        "metric": {"type": "boolean"},
+    },
+    "required": ["city", "days"],
+    "additionalProperties": False,
+}
+TOOLS: Any = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
+    {"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object",
+        "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}},
+        "required": ["zone"],
+    }}},
+]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -142,6 +168,24 @@ def test_bad_words_are_never_generated(client: openai.OpenAI) -> None:
     assert word not in chat_text(client, extra_body={"bad_words": [word]})
 
 
+def outputs(**spec: Any) -> dict[str, Any]:
+    return {"extra_body": {"structured_outputs": spec}}
+
+
+def schema_format(schema: Any) -> dict[str, Any]:
+    return {
+        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    }
+
+
+def named(name: str) -> Any:
+    return {"type": "function", "function": {"name": name}}
+
+
+def tool(name: str, parameters: Any = None) -> Any:
+    return {"type": "function", "function": {"name": name, "parameters": parameters}}
+
+
 BAD: list[tuple[str, dict[str, Any], str]] = [
     ("completions", {"presence_penalty": 2.5}, "presence_penalty"),
     ("completions", {"frequency_penalty": -3}, "frequency_penalty"),
@@ -160,7 +204,22 @@ BAD: list[tuple[str, dict[str, Any], str]] = [
     ("chat", {"logit_bias": {"-1": 5}}, "logit_bias"),
     ("chat", {"max_tokens": 2, "extra_body": {"min_tokens": 3}}, "min_tokens"),
     ("chat", {"presence_penalty": 9}, "presence_penalty"),
-]
+    ("chat", schema_format({"type": 5}), "response_format.json_schema"),
+    ("chat", {"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+    ("completions", outputs(regex="a("), "structured_outputs.regex"),
+    ("completions", outputs(grammar="root ::= "), "structured_outputs.grammar"),
+    ("completions", outputs(json="{oops"), "structured_outputs.json"),
+    ("completions", outputs(choice=[]), "structured_outputs.choice"),
+    ("completions", outputs(regex="a", choice=["a"]), "structured_outputs"),
+    ("chat", {**outputs(regex="a"), "response_format": {"type": "json_object"}},
+     "structured_outputs.regex"),
+    ("chat", {"tools": TOOLS}, "tool_choice"),  # "auto": no tool call parser
+    ("chat", {"tools": TOOLS, "tool_choice": "auto"}, "tool_choice"),
+    ("chat", {"tool_choice": "required"}, "tool_choice"),  # without tools
+    ("chat", {"tools": TOOLS, "tool_choice": named("nope")}, "tool_choice"),
+    ("chat", {"tools": [tool("bad name!")], "tool_choice": "required"}, "tools[0].function.name"),
+    ("chat", {"tools": [tool("f", {"type": 5})], "tool_choice": "required"}, "tools"),
+]  # fmt: skip
 
 
 @pytest.mark.parametrize(("endpoint", "fields", "param"), BAD)
@@ -174,3 +233,112 @@ def test_a_bad_value_is_a_400_naming_the_field(
             client.completions.create(model="tiny", prompt=PROMPT, **fields)
     assert bad.value.param == param, bad.value.message
     assert "SamplingParams" not in bad.value.message  # the request's names, not the engine's
+
+
+# -- structured output and tools ---------------------------------------------------------------
+
+SAMPLED: dict[str, Any] = {"temperature": 1.0, "seed": 7, "max_tokens": 400}
+"""Random weights at temperature 1: greedy would write whitespace until max_tokens (which the
+JSON grammars allow anywhere, as in vLLM); drawn, they end by themselves."""
+
+
+def parsed(text: str) -> Any:
+    # xgrammar lets raw control characters into strings it bounds (maxLength), which a strict
+    # parser refuses; they are only ever inside strings.
+    return json.loads(text, strict=False)
+
+
+def test_json_object_and_json_schema_outputs_parse_and_validate(client: openai.OpenAI) -> None:
+    fmt: Any = {"type": "json_schema", "json_schema": {"name": "w", "schema": WEATHER}}
+    reply = client.chat.completions.create(
+        model="tiny", messages=MESSAGES, response_format=fmt, n=3, **SAMPLED
+    )
+    texts = [c.message.content or "" for c in reply.choices]
+    chunks = client.chat.completions.create(
+        model="tiny", messages=MESSAGES, response_format=fmt, stream=True, **SAMPLED
+    )
+    texts.append("".join(c.choices[0].delta.content or "" for c in chunks if c.choices))
+    assert texts[-1] == texts[0]  # the same seed, streamed
+    for text in texts:
+        jsonschema.validate(parsed(text), WEATHER)
+    # Any object: a nudge towards "}" keeps random weights from nesting past max_tokens.
+    whole = client.completions.create(
+        model="tiny",
+        prompt=PROMPT,
+        logit_bias={str(ord("}")): 4},
+        extra_body={"response_format": {"type": "json_object"}},
+        **SAMPLED,
+    )
+    assert whole.choices[0].finish_reason == "stop"
+    assert isinstance(parsed(whole.choices[0].text), dict)
+
+
+def test_regex_choice_and_grammar_hold_on_both_endpoints(client: openai.OpenAI) -> None:
+    cases: list[tuple[dict[str, Any], Any]] = [
+        ({"regex": r"[a-z]{3}-[0-9]{2,4}"}, lambda t: re.fullmatch(r"[a-z]{3}-[0-9]{2,4}", t)),
+        ({"choice": ["red", "green", "blue"]}, lambda t: t in ("red", "green", "blue")),
+        ({"grammar": 'root ::= "x" [0-9]+ ("," [0-9]+)* "y"'},
+         lambda t: re.fullmatch(r"x[0-9]+(,[0-9]+)*y", t)),
+    ]  # fmt: skip
+    for spec, holds in cases:
+        body = {"structured_outputs": spec}
+        done = client.completions.create(
+            model="tiny", prompt=PROMPT, n=3, extra_body=body, **SAMPLED
+        )
+        chat = client.chat.completions.create(
+            model="tiny", messages=MESSAGES, extra_body=body, **SAMPLED
+        )
+        texts = [c.text for c in done.choices] + [chat.choices[0].message.content or ""]
+        assert all(holds(t) for t in texts), (spec, texts)
+        assert {c.finish_reason for c in done.choices} == {"stop"}
+
+
+def check_calls(calls: list[Any], names: set[str]) -> None:
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    assert calls
+    for call in calls:
+        assert call.type == "function" and call.id.startswith("chatcmpl-tool-")
+        assert call.function.name in names
+        jsonschema.validate(parsed(call.function.arguments), schemas[call.function.name])
+
+
+def streamed_calls(client: openai.OpenAI, **fields: Any) -> tuple[list[Any], str | None]:
+    """The tool calls of a streamed reply, joined from their deltas (as a client does)."""
+    calls: dict[int, Any] = {}
+    finish = None
+    for chunk in client.chat.completions.create(
+        model="tiny", messages=MESSAGES, stream=True, **SAMPLED, **fields
+    ):
+        if not chunk.choices:
+            continue
+        finish = chunk.choices[0].finish_reason or finish
+        for d in chunk.choices[0].delta.tool_calls or []:
+            if d.index not in calls:
+                calls[d.index] = d.model_copy(deep=True)
+            else:
+                calls[d.index].function.arguments += d.function.arguments or ""
+    return [calls[i] for i in sorted(calls)], finish
+
+
+def test_forced_tool_calls_are_valid_for_their_tools_whole_and_streamed(
+    client: openai.OpenAI,
+) -> None:
+    named: Any = {"type": "function", "function": {"name": "get_weather"}}
+    for choice, names, finish in (("required", {"get_weather", "get_time"}, "tool_calls"),
+                                  (named, {"get_weather"}, "stop")):  # fmt: skip
+        reply = client.chat.completions.create(
+            model="tiny", messages=MESSAGES, tools=TOOLS, tool_choice=choice, **SAMPLED
+        )
+        message = reply.choices[0].message
+        assert message.content == "" and reply.choices[0].finish_reason == finish
+        check_calls(message.tool_calls or [], names)
+        calls, streamed_finish = streamed_calls(client, tools=TOOLS, tool_choice=choice)
+        assert streamed_finish == finish
+        check_calls(calls, names)
+        assert [(c.function.name, parsed(c.function.arguments)) for c in calls] == [
+            (c.function.name, parsed(c.function.arguments)) for c in message.tool_calls or []
+        ]  # the same seed: the same calls, streamed or not
+    none = client.chat.completions.create(
+        model="tiny", messages=MESSAGES, tools=TOOLS, tool_choice="none", max_tokens=4
+    )
+    assert none.choices[0].message.tool_calls is None

@@ -4,9 +4,11 @@ echoed text, and `bad_words` / `logit_bias` keep a real word out of the answer."
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from typing import Any
 
+import jsonschema
 import openai
 import pytest
 
@@ -70,3 +72,24 @@ def test_bad_words_and_logit_bias_keep_a_word_out(client: openai.OpenAI, server:
     (four,) = tokenized["tokens"]
     biased = client.completions.create(prompt=PROMPT, logit_bias={str(four): -100}, **GREEDY)
     assert not biased.choices[0].text.startswith(" four")
+
+
+def test_a_json_schema_answer_from_the_real_model_validates(client: openai.OpenAI) -> None:
+    """The grammar over SmolLM2's 49,152 byte-level BPE tokens (their bytes, from the GGUF)."""
+    schema = {
+        "type": "object",
+        "properties": {"capital": {"type": "string", "maxLength": 24}},
+        "required": ["capital"],
+        "additionalProperties": False,
+    }
+    reply = client.chat.completions.create(
+        model="smollm2",
+        messages=[{"role": "user", "content": "What is the capital of France? Answer in JSON."}],
+        temperature=0,
+        max_tokens=40,
+        response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}},
+    )
+    answer = json.loads(reply.choices[0].message.content or "", strict=False)
+    jsonschema.validate(answer, schema)
+    assert reply.choices[0].finish_reason == "stop"
+    assert "Paris" in answer["capital"]

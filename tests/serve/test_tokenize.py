@@ -149,7 +149,7 @@ def test_a_prompt_of_max_model_len_tokens_is_counted_and_one_more_is_refused(
         ("/tokenize", {"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
         ("/tokenize", {"messages": CHAT, "continue_final_message": True}, "continue_final_message"),
         ("/tokenize", {"messages": CHAT, "chat_template": "{{ 1 }}"}, "chat_template"),
-        ("/tokenize", {"messages": CHAT, "tools": [{"type": "function"}]}, "tools"),
+        ("/tokenize", {"messages": CHAT, "tools": [{"type": "function"}]}, "tools[0]"),
         ("/detokenize", {"tokens": [72, 258]}, "tokens"),
         ("/detokenize", {"tokens": [-1]}, "tokens"),
         ("/detokenize", {"tokens": [2**70]}, "tokens"),
