@@ -16,7 +16,7 @@ from openai.types import Completion
 from kvconnect import LLM, SamplingParams
 from kvconnect.messages import PositionLogprobs
 from kvconnect.tokenizer import ByteTokenizer
-from tests.serving import RouterProcess, Serve, post, serve_behind_router
+from tests.serving import RouterProcess, Serve, post
 
 pytestmark = pytest.mark.slow
 
@@ -41,9 +41,8 @@ def assert_shown(token_id: int, shown: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Serve, RouterProcess]]:
-    with serve_behind_router(tmp_path_factory.mktemp("logprobs")) as both:
-        yield both
+def served(tiny_api: tuple[Serve, RouterProcess]) -> tuple[Serve, RouterProcess]:
+    return tiny_api  # tests/serve/conftest.py (module scope keeps the module on one worker)
 
 
 @pytest.fixture(scope="module")

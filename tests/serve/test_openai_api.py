@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import openai
 import pytest
 
-from tests.serving import RouterProcess, Serve, get, post, serve_behind_router
+from tests.serving import RouterProcess, Serve, get, post
 
 pytestmark = pytest.mark.slow
 
@@ -16,11 +15,8 @@ GREEDY: dict[str, Any] = {"temperature": 0, "extra_body": {"ignore_eos": True}}
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Serve, RouterProcess]]:
-    with serve_behind_router(
-        tmp_path_factory.mktemp("openai"), "--enable-prompt-tokens-details"
-    ) as both:
-        yield both
+def served(tiny_api: tuple[Serve, RouterProcess]) -> tuple[Serve, RouterProcess]:
+    return tiny_api  # tests/serve/conftest.py (module scope keeps the module on one worker)
 
 
 @pytest.fixture(params=["serve", "router"])

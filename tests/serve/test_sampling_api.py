@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
 from typing import Any
 
 import jsonschema
@@ -20,7 +19,7 @@ import openai
 import pytest
 
 from kvconnect.tokenizer import BYTE_EOS
-from tests.serving import RouterProcess, Serve, serve_behind_router
+from tests.serving import RouterProcess, Serve
 
 pytestmark = pytest.mark.slow
 
@@ -47,9 +46,8 @@ TOOLS: Any = [
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Serve, RouterProcess]]:
-    with serve_behind_router(tmp_path_factory.mktemp("sampling")) as both:
-        yield both
+def served(tiny_api: tuple[Serve, RouterProcess]) -> tuple[Serve, RouterProcess]:
+    return tiny_api  # tests/serve/conftest.py (module scope keeps the module on one worker)
 
 
 @pytest.fixture(params=["serve", "router"])

@@ -7,13 +7,12 @@ bytes of a text written out in full.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 import kvconnect
-from tests.serving import Serve, get, post
+from tests.serving import RouterProcess, Serve, get, post
 
 pytestmark = pytest.mark.slow
 
@@ -25,13 +24,8 @@ RENDERED = "system: Be brief.\nuser: Hi é\nassistant: "
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serve]:
-    server = Serve(tmp_path_factory.mktemp("tokenize"))
-    server.start()
-    try:
-        yield server
-    finally:
-        assert server.stop() == 0, server.logs()
+def server(tiny_api: tuple[Serve, RouterProcess]) -> Serve:
+    return tiny_api[0]  # tests/serve/conftest.py
 
 
 @pytest.fixture(scope="module")
