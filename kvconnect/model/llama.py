@@ -42,6 +42,55 @@ class AttentionMetadata:
     """Cache slot of every new token, [T] int64."""
     block_size: int
 
+    def __post_init__(self) -> None:
+        self._decode: DecodeBatch | bool | None = False  # False: not built yet
+
+    def decode_batch(self) -> DecodeBatch | None:
+        """The step's single-token (decode) rows as one padded batch, built once per step and
+        shared by every layer; None when fewer than two rows decode."""
+        if self._decode is False:
+            self._decode = DecodeBatch.build(self)
+        return self._decode if isinstance(self._decode, DecodeBatch) else None
+
+
+@dataclass
+class DecodeBatch:
+    """The decode rows of a step, laid out for one attention call over all of them.
+
+    Each row's block table is padded to the longest (with block 0, masked out), so a row's
+    keys are `cache[block_tables[b]]` flattened, valid up to its context length.
+    """
+
+    token_index: torch.Tensor
+    """Where each decode row's query sits in the step's flat batch, [B] int64."""
+    requests: list[int]
+    """Indices (into the step's requests) of the decode rows."""
+    block_tables: torch.Tensor
+    """[B, max_blocks] int64."""
+    mask: torch.Tensor
+    """[B, 1, 1, max_blocks * block_size] bool: True where a key is in the row's context."""
+
+    @staticmethod
+    def build(meta: AttentionMetadata) -> DecodeBatch | None:
+        rows, starts, start = [], [], 0
+        for i, n in enumerate(meta.query_lens):
+            if n == 1 and meta.context_lens[i] > 1:
+                rows.append(i)
+                starts.append(start)
+            start += n
+        if len(rows) < 2:
+            return None
+        bs = meta.block_size
+        ctx = [meta.context_lens[i] for i in rows]
+        width = (max(ctx) + bs - 1) // bs
+        tables = torch.zeros(len(rows), width, dtype=torch.long)
+        for b, i in enumerate(rows):
+            used = meta.block_tables[i][: (ctx[b] + bs - 1) // bs]
+            tables[b, : len(used)] = torch.tensor(used, dtype=torch.long)
+        keys = torch.arange(width * bs)
+        mask = (keys[None, :] < torch.tensor(ctx)[:, None])[:, None, None, :]
+        return DecodeBatch(torch.tensor(starts, dtype=torch.long), rows, tables, mask)
+
 
 class LayerHooks(Protocol):
     """Called around each layer's attention (the worker's KV connector)."""
@@ -89,9 +138,18 @@ def paged_attention(
     keys 0..c - n + i.
     """
     out = torch.empty_like(q)
+    decode = meta.decode_batch()
+    batched = set(decode.requests) if decode is not None else set()
+    if decode is not None:
+        out[decode.token_index] = decode_attention(q[decode.token_index], kv_cache, decode)
     start = 0
     bs = meta.block_size
-    for n, ctx, table in zip(meta.query_lens, meta.context_lens, meta.block_tables, strict=True):
+    for i, (n, ctx, table) in enumerate(
+        zip(meta.query_lens, meta.context_lens, meta.block_tables, strict=True)
+    ):
+        if i in batched:
+            start += n
+            continue
         blocks = torch.tensor(table[: (ctx + bs - 1) // bs], dtype=torch.long)
         # [1, heads, len, d]: with a batch dimension CPU torch picks its flash kernel (5x
         # faster here than the math path it takes for 3-D inputs).
@@ -109,6 +167,21 @@ def paged_attention(
         out[start : start + n] = o[0].transpose(0, 1)
         start += n
     return out
+
+
+def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, decode: DecodeBatch) -> torch.Tensor:
+    """One attention call for all decode rows. q: [B, heads, head_dim] -> the same shape.
+
+    The padded keys past a row's context are masked; a row's output is its own context's
+    softmax-weighted values, as the per-request call computes it (up to fp32 summation order).
+    """
+    b, kv_heads, d = q.shape[0], kv_cache.shape[3], kv_cache.shape[4]
+    k = kv_cache[0, decode.block_tables].view(b, -1, kv_heads, d).transpose(1, 2)
+    v = kv_cache[1, decode.block_tables].view(b, -1, kv_heads, d).transpose(1, 2)
+    o = F.scaled_dot_product_attention(
+        q.unsqueeze(2), k, v, attn_mask=decode.mask, enable_gqa=True
+    )  # [B, heads, 1, d]
+    return o.squeeze(2)
 
 
 AllReduce = Callable[[torch.Tensor], torch.Tensor]

@@ -22,13 +22,23 @@ def dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) ->
     return torch.einsum("hqk,khd->qhd", F.softmax(scores, dim=-1), v)
 
 
-def test_paged_attention_matches_dense_attention_for_chunks_and_scattered_blocks() -> None:
+@pytest.mark.parametrize(
+    ("lens", "new"),
+    [
+        ([13, 7, 1], [5, 7, 1]),  # a later chunk, a whole prompt, a one-token prompt
+        ([13, 6, 2, 9, 5], [1, 6, 1, 3, 1]),  # decode rows (one batched call) between others
+    ],
+)
+def test_paged_attention_matches_dense_attention_for_chunks_and_scattered_blocks(
+    lens: list[int], new: list[int]
+) -> None:
+    """`new[i]` last tokens of request i are this step's; the whole context is cached."""
     torch.manual_seed(0)
     heads, kv_heads, d, bs, num_blocks = 8, 2, 16, 4, 32
-    lens = [13, 7, 1]
     cache = torch.zeros(2, num_blocks, bs, kv_heads, d, dtype=torch.float64)
     perm = torch.randperm(num_blocks).tolist()
-    tables, qs, refs, new = [], [], [], [5, 7, 1]  # last 5 / 7 / 1 tokens are this step's
+    tables: list[list[int]] = []
+    qs, refs = [], []
     for n in lens:
         nb = -(-n // bs)
         table, perm = perm[:nb], perm[nb:]
@@ -43,6 +53,7 @@ def test_paged_attention_matches_dense_attention_for_chunks_and_scattered_blocks
     q_new = torch.cat([q[-m:] for q, m in zip(qs, new, strict=True)])
     meta = AttentionMetadata(new, lens, tables, torch.zeros(0, dtype=torch.long), bs)
     out = paged_attention(q_new, cache, meta)
+    assert (meta.decode_batch() is not None) == (new.count(1) > 2)
     expected = torch.cat([r[-m:] for r, m in zip(refs, new, strict=True)])
     torch.testing.assert_close(out, expected)
 
