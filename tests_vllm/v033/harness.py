@@ -356,8 +356,11 @@ class Engine:
         return self.run_until(lambda _: request_id not in self.scheduler.requests)
 
     def settle(self) -> None:
-        """Step while the connector has work under way (stores, their events)."""
-        self.run_until(lambda _: not self.pending_push())
+        """Step while the connector has work under way (stores, their events, a reset). How
+        many steps that takes depends on the I/O threads, not on the steps: only the time is
+        bounded (a fresh-clone run used up 400 steps before a reset under MultiConnector was
+        done)."""
+        self.run_until(lambda _: not self.pending_push(), max_steps=1_000_000)
 
     def pending_push(self) -> bool:
         connector = self.scheduler.connector
