@@ -168,16 +168,22 @@ class MultiprocExecutor(Executor):
         return results[0], self._fold(results)
 
     def shutdown(self, timeout: float = 5.0) -> None:
-        """Ask every worker to stop, wait up to `timeout`, then terminate, then kill."""
+        """Ask every worker to stop, wait up to `timeout`, then terminate, then kill. Once a
+        worker has died or hung, its peers are likely blocked in a collective waiting for it
+        and will not read the request: they get a second, not `timeout`."""
         for conn in self._conns:
             with contextlib.suppress(OSError):
                 conn.send(None)
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + (min(timeout, 1.0) if self._dead else timeout)
         for proc in self._procs:
             proc.join(max(0.0, deadline - time.monotonic()))
         for proc in self._procs:
             if proc.is_alive():
-                proc.terminate()
+                # A stopped process would act on SIGTERM only once continued.
+                if _is_stopped(proc.pid):
+                    proc.kill()
+                else:
+                    proc.terminate()
                 proc.join(1.0)
             if proc.is_alive():
                 proc.kill()
