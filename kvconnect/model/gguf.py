@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from kvconnect.model.config import ModelConfig
-from kvconnect.model_source import gguf_reader
+from kvconnect.model_source import gguf_file
 
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
 
@@ -78,12 +78,11 @@ class GGUFWeights:
 
         self.path = path
         self.config = config
-        reader = gguf_reader(path)
-        self._tensors = {t.name: t for t in reader.tensors}
+        self._tensors = gguf_file(path).tensors
         self._permuted = config.architecture == "LlamaForCausalLM"
         bad = sorted(
             f"{t.name} ({t.tensor_type.name})"
-            for t in reader.tensors
+            for t in self._tensors.values()
             if t.tensor_type.name not in SUPPORTED_TYPES
         )
         if bad:
