@@ -87,6 +87,8 @@ class _Guarded(asyncio.Protocol):
         self._inner, self._listener = inner, listener
         self._transport: asyncio.Transport | None = None
         self._timer: asyncio.TimerHandle | None = None
+        self._deadline = 0.0
+        """When the connection, idle, must have sent a whole head (loop time)."""
         self._num_running = 0
         self._open = False
 
@@ -124,8 +126,7 @@ class _Guarded(asyncio.Protocol):
         self._inner.connection_lost(exc)
 
     def request_started(self) -> None:
-        self._num_running += 1
-        self._disarm()
+        self._num_running += 1  # a timer that fires meanwhile finds it running and lets go
 
     def request_done(self) -> None:
         self._num_running -= 1
@@ -133,9 +134,13 @@ class _Guarded(asyncio.Protocol):
             self._arm()
 
     def _arm(self) -> None:
+        """The head deadline from now. A timer already set (for an earlier deadline) stays and
+        is moved on when it fires: keep-alive requests in a row cost a time stamp each, not a
+        timer each."""
         loop = asyncio.get_running_loop()
-        self._disarm()
-        self._timer = loop.call_later(self._listener.limits.header_timeout, self._expired)
+        self._deadline = loop.time() + self._listener.limits.header_timeout
+        if self._timer is None:
+            self._timer = loop.call_at(self._deadline, self._expired)
 
     def _disarm(self) -> None:
         if self._timer is not None:
@@ -146,6 +151,10 @@ class _Guarded(asyncio.Protocol):
         self._timer = None
         transport = self._transport
         if self._num_running or transport is None or not self._open:
+            return  # request_done() arms it again
+        loop = asyncio.get_running_loop()
+        if loop.time() < self._deadline:  # armed again since this timer was set
+            self._timer = loop.call_at(self._deadline, self._expired)
             return
         if transport.get_write_buffer_size():
             self._arm()  # an answer still on its way out: the head deadline starts after it

@@ -9,11 +9,12 @@
 
 Why not aiohttp's client: a proxied completion through it costs ~150 us of CPU on this machine,
 through this ~20 us (`bench/routers.py` measures the router's whole added latency beside
-vllm-router's). It speaks only what the relay needs: one request at a time per connection, a
-JSON body of known length out, a response of known length or chunked back; anything else
-(an upgrade, a response without length or chunking, a header section over 64 KiB) ends that
-connection. A response is read to its end before its connection is reused, so a reply can
-never be mistaken for the next request's.
+vllm-router's); each connection is a `connection.Connection`, a protocol with a buffer of its
+own (not asyncio's streams). It speaks only what the relay needs: one request at a time per
+connection, a JSON body of known length out, a response of known length or chunked back;
+anything else (an upgrade, a response without length or chunking, a header section over
+64 KiB) ends that connection. A response is read to its end
+before its connection is reused, so a reply can never be mistaken for the next request's.
 
 Deadlines: a connect has `connect_timeout`; once a request is sent, the instance may stay
 silent for at most `read_timeout` (before its head, and between pieces of its body): then its
@@ -32,8 +33,8 @@ from collections import defaultdict
 from collections.abc import AsyncIterator
 from urllib.parse import urlsplit
 
-MAX_HEADER_BYTES = 64 << 10
-"""The status line and headers of one response, at most."""
+from kvconnect.router.connection import Closed, Connection
+
 MAX_IDLE_PER_INSTANCE = 64
 """Idle keep-alive connections kept per instance; more are closed when released."""
 CONNECT_TIMEOUT_S = 5.0
@@ -54,25 +55,14 @@ class UpstreamTimeout(UpstreamBroken):
     """The instance took the request and then said nothing for `read_timeout` seconds."""
 
 
-class _Connection:
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.reader, self.writer = reader, writer
-        self.deadline = 0.0
-        """While a request is on it: when the instance's silence becomes a timeout."""
-        self.timed_out = False
-
-    def close(self) -> None:
-        self.writer.close()
-
-
 class UpstreamResponse:
     """One response: status and headers read, the body still on the connection."""
 
     def __init__(
-        self, pool: UpstreamPool, key: str, conn: _Connection, status: int, head: dict[str, str]
+        self, pool: UpstreamPool, key: str, conn: Connection, status: int, head: dict[str, str]
     ) -> None:
         self._pool, self._key = pool, key
-        self._conn: _Connection | None = conn
+        self._conn: Connection | None = conn
         self.status = status
         self.headers = head
         """Header names lowercased; a repeated header keeps its last value."""
@@ -83,40 +73,52 @@ class UpstreamResponse:
         self._done = False
 
     async def read(self) -> bytes:
-        return b"".join([data async for data in self.iter_body()])
+        """The whole body (of a known length: in one copy once it has all arrived)."""
+        conn = self._connection()
+        if self.content_length is None:
+            return b"".join([data async for data in self.iter_body()])
+        try:
+            body = await conn.readexactly(self.content_length)
+        except Closed:
+            left = self.content_length - len(conn.buffer)
+            raise self._broken(f"body ended {left} bytes early") from None
+        self._finish(conn)
+        return body
 
     async def iter_body(self) -> AsyncIterator[bytes]:
         """The body as it arrives; `UpstreamBroken` if the connection ends early."""
-        if self._conn is None:
-            raise RuntimeError("UpstreamResponse read after release()")
-        conn = self._conn
-        reader, timeout = conn.reader, self._pool.read_timeout
+        conn = self._connection()
         try:
             if self.content_length is not None:
                 left = self.content_length
                 while left:
-                    data = await reader.read(min(left, 1 << 16))
+                    data = await conn.read(min(left, 1 << 16))
                     if not data:
                         raise UpstreamBroken(f"body ended {left} bytes early")
                     left -= len(data)
-                    conn.deadline = time.monotonic() + timeout
                     yield data
             elif self.chunked:
-                async for data in _chunks(reader):
-                    conn.deadline = time.monotonic() + timeout
+                async for data in _chunks(conn):
                     yield data
             else:  # neither: the body runs to the end of the connection
                 self._keep_alive = False
-                while data := await reader.read(1 << 16):
-                    conn.deadline = time.monotonic() + timeout
+                while data := await conn.read(1 << 16):
                     yield data
-            if conn.timed_out:  # aborted while the last piece was read: not a whole body
-                raise ConnectionError("aborted")
-            self._done = True
-        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError) as e:
+        except (ValueError, ConnectionError) as e:
             raise self._broken(f"malformed or cut body: {e}") from None
-        except (ConnectionError, UpstreamBroken) as e:
-            raise self._broken(str(e) or type(e).__name__) from None
+        except UpstreamBroken as e:
+            raise self._broken(str(e)) from None
+        self._finish(conn)
+
+    def _connection(self) -> Connection:
+        if self._conn is None:
+            raise RuntimeError("UpstreamResponse read after release()")
+        return self._conn
+
+    def _finish(self, conn: Connection) -> None:
+        if conn.timed_out:  # aborted while the last piece was read: not a whole body
+            raise self._broken("aborted")
+        self._done = True
 
     def _broken(self, reason: str) -> UpstreamBroken:
         conn = self._conn
@@ -136,16 +138,16 @@ class UpstreamResponse:
             conn.close()
 
 
-async def _chunks(reader: asyncio.StreamReader) -> AsyncIterator[bytes]:
+async def _chunks(conn: Connection) -> AsyncIterator[bytes]:
     """The payloads of a chunked body, up to and including its trailer."""
     while True:
-        line = await reader.readuntil(b"\r\n")
+        line = await conn.readuntil(b"\r\n")
         size = int(line.split(b";", 1)[0].strip(), 16)
         if size == 0:
-            while await reader.readuntil(b"\r\n") != b"\r\n":  # trailer fields, if any
+            while await conn.readuntil(b"\r\n") != b"\r\n":  # trailer fields, if any
                 pass
             return
-        data = await reader.readexactly(size + 2)
+        data = await conn.readexactly(size + 2)
         if data[-2:] != b"\r\n":
             raise ValueError("chunk not followed by CRLF")
         yield data[:-2]
@@ -159,10 +161,22 @@ class UpstreamPool:
     ) -> None:
         self._connect_timeout = connect_timeout
         self.read_timeout = read_timeout
-        self._idle: defaultdict[str, list[_Connection]] = defaultdict(list)
-        self._busy: set[_Connection] = set()
+        self._idle: defaultdict[str, list[Connection]] = defaultdict(list)
+        self._busy: set[Connection] = set()
+        self._targets: dict[tuple[str, str], tuple[str, str, int, bytes]] = {}
         self._watchdog: asyncio.Task[None] | None = None
         self._closed = False
+
+    def _target(self, base_url: str, path: str) -> tuple[str, str, int, bytes]:
+        """(pool key, host, port, the request line and Host header) for a URL, made once."""
+        found = self._targets.get((base_url, path))
+        if found is None:
+            parts = urlsplit(base_url)
+            host, port = parts.hostname or "127.0.0.1", parts.port or 80
+            key = f"{host}:{port}"
+            line = f"POST {parts.path.rstrip('/')}{path} HTTP/1.1\r\nHost: {key}\r\n"
+            found = self._targets[(base_url, path)] = (key, host, port, line.encode("latin-1"))
+        return found
 
     async def post(
         self,
@@ -177,13 +191,10 @@ class UpstreamPool:
         empty answer) is retried on a new one, so only a fresh connection's failure counts.
         An instance silent for `read_timeout` is `UpstreamTimeout` (never retried: it may be
         working on it). `authorization` is sent as that header (no CR or LF in it)."""
-        parts = urlsplit(base_url)
-        host, port = parts.hostname or "127.0.0.1", parts.port or 80
-        key = f"{host}:{port}"
+        key, host, port, line = self._target(base_url, path)
         auth = f"Authorization: {authorization}\r\n" if authorization else ""
-        head = (
-            f"POST {parts.path.rstrip('/')}{path} HTTP/1.1\r\nHost: {key}\r\n{auth}"
-            f"Content-Type: {content_type}\r\nContent-Length: {len(body)}\r\n\r\n"
+        head = line + (
+            f"{auth}Content-Type: {content_type}\r\nContent-Length: {len(body)}\r\n\r\n"
         ).encode("latin-1")
         if self._watchdog is None:
             self._watchdog = asyncio.create_task(self._watch())
@@ -194,10 +205,10 @@ class UpstreamPool:
             conn.deadline = time.monotonic() + self.read_timeout
             self._busy.add(conn)
             try:
-                conn.writer.write(head + body)
-                status, headers = await _read_head(conn.reader)
+                conn.write(head + body)
+                status, headers = await _read_head(conn)
                 return UpstreamResponse(self, key, conn, status, headers)
-            except (ConnectionError, asyncio.IncompleteReadError, UpstreamBroken) as e:
+            except (ConnectionError, UpstreamBroken) as e:
                 self._drop(conn)
                 if conn.timed_out:
                     raise UpstreamTimeout(f"no answer for {self.read_timeout:g} s") from None
@@ -207,7 +218,7 @@ class UpstreamPool:
                 self._drop(conn)
                 raise
 
-    def _drop(self, conn: _Connection) -> None:
+    def _drop(self, conn: Connection) -> None:
         self._busy.discard(conn)
         conn.close()
 
@@ -220,28 +231,29 @@ class UpstreamPool:
             for conn in [c for c in self._busy if c.deadline < now]:
                 self._busy.discard(conn)
                 conn.timed_out = True
-                conn.writer.transport.abort()
+                conn.abort()
 
-    async def _open(self, host: str, port: int) -> _Connection:
+    async def _open(self, host: str, port: int) -> Connection:
+        loop = asyncio.get_running_loop()
         try:
-            reader, writer = await asyncio.wait_for(
-                asyncio.open_connection(host, port, limit=MAX_HEADER_BYTES),
+            _, conn = await asyncio.wait_for(
+                loop.create_connection(lambda: Connection(self.read_timeout), host, port),
                 self._connect_timeout,
             )
         except (OSError, TimeoutError) as e:
             raise Unreachable(str(e) or type(e).__name__) from None
-        return _Connection(reader, writer)
+        return conn
 
-    def _take(self, key: str) -> _Connection | None:
+    def _take(self, key: str) -> Connection | None:
         idle = self._idle[key]
         while idle:
             conn = idle.pop()
-            if not conn.reader.at_eof() and not conn.writer.is_closing():
+            if conn.reusable():
                 return conn
             conn.close()
         return None
 
-    def _put(self, key: str, conn: _Connection) -> None:
+    def _put(self, key: str, conn: Connection) -> None:
         idle = self._idle[key]
         if self._closed or len(idle) >= MAX_IDLE_PER_INSTANCE:
             conn.close()
@@ -258,16 +270,16 @@ class UpstreamPool:
             for conn in idle:
                 conn.close()
                 with contextlib.suppress(Exception):
-                    await conn.writer.wait_closed()
+                    await conn.wait_closed()
         self._idle.clear()
 
 
-async def _read_head(reader: asyncio.StreamReader) -> tuple[int, dict[str, str]]:
+async def _read_head(conn: Connection) -> tuple[int, dict[str, str]]:
     """The status and headers; `UpstreamBroken` for anything that is not HTTP/1.x."""
     try:
-        raw = await reader.readuntil(b"\r\n\r\n")
-    except asyncio.LimitOverrunError:
-        raise UpstreamBroken(f"response headers over {MAX_HEADER_BYTES} bytes") from None
+        raw = await conn.readuntil(b"\r\n\r\n")
+    except ValueError as e:
+        raise UpstreamBroken(f"response headers: {e}") from None
     lines = raw[:-4].decode("latin-1").split("\r\n")
     version, _, rest = lines[0].partition(" ")
     code = rest[:3]

@@ -10,6 +10,7 @@ from contextlib import asynccontextmanager
 
 import pytest
 
+from kvconnect.router.connection import MAX_BUFFERED
 from kvconnect.router.upstream import (
     Unreachable,
     UpstreamBroken,
@@ -249,6 +250,52 @@ def test_a_cancelled_request_closes_its_connection_and_authorization_is_sent() -
             task.cancel()
             await asyncio.wait_for(seen["closed"].wait(), 10)  # type: ignore[attr-defined]
             assert b"\r\nAuthorization: Bearer k\r\n" in seen["heads"][0]  # type: ignore[index]
+        await pool.close()
+
+    run(main())
+
+
+def test_a_large_answer_is_held_at_most_max_buffered_while_its_reader_lags() -> None:
+    """Streamed piece by piece, a body far over MAX_BUFFERED pauses reading from the instance
+    (not all in the router's memory) and still arrives whole; read() whole takes one of over
+    MAX_BUFFERED at once."""
+    size = 32 << 20
+    body = bytes(range(256)) * (size // 256)
+    done = asyncio.Event()
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                await reader.readuntil(b"\r\n\r\n")
+                await reader.readexactly(1)
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % size + body)
+                await writer.drain()
+                done.set()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        writer.close()
+
+    async def main() -> None:
+        pool = UpstreamPool()
+        srv = await asyncio.start_server(handle, "127.0.0.1", 0)
+        async with srv:
+            url = f"http://127.0.0.1:{srv.sockets[0].getsockname()[1]}"
+            resp = await pool.post(url, "/x", b"1")
+            conn = resp._conn
+            assert conn is not None
+            pieces = resp.iter_body()
+            got = [await anext(pieces)]
+            while not (conn._paused or done.is_set()):  # the instance writes, we lag
+                await asyncio.sleep(0.01)
+            assert conn._paused and not done.is_set()
+            assert len(conn.buffer) <= MAX_BUFFERED + (1 << 20)
+            got += [data async for data in pieces]
+            assert b"".join(got) == body
+            resp.release()
+            done.clear()
+            again = await pool.post(url, "/x", b"2")  # the same connection, read whole
+            assert await again.read() == body
+            again.release()
         await pool.close()
 
     run(main())

@@ -112,6 +112,25 @@ def test_a_head_that_stalls_is_closed_and_an_idle_keep_alive_too(
         assert read_all(s).startswith(b"HTTP/1.1 200")  # answered, then closed when idle
 
 
+def test_each_answer_gives_a_keep_alive_connection_the_whole_head_deadline_again(
+    served: tuple[Serve, RouterProcess],
+) -> None:
+    """Requests 0.7 s apart on one connection, 1.4 s in all, with a 1 s head deadline: each
+    answer starts the deadline anew (the connection's timer is moved on, not left to fire
+    at the first one's)."""
+    with socket.create_connection(("127.0.0.1", served[1].port), timeout=30) as s:
+        for i in range(3):
+            if i:
+                time.sleep(0.7 * HEADER_TIMEOUT_S)  # idle on purpose: the deadline is the test
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            answer = b""
+            while b"\r\n\r\n" not in answer or not answer.endswith(b"}"):
+                chunk = s.recv(65536)
+                assert chunk, f"closed before answer {i}: {answer[:200]!r}"
+                answer += chunk
+            assert answer.startswith(b"HTTP/1.1 200"), answer[:200]
+
+
 @pytest.mark.parametrize("which", ["serve", "router"])
 def test_a_body_that_stalls_is_a_408(served: tuple[Serve, RouterProcess], which: str) -> None:
     port = target(served, which).port
