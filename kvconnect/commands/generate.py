@@ -15,6 +15,7 @@ from kvconnect.config import KVEventsConfig
 from kvconnect.engine.llm import LLM, as_config
 from kvconnect.engine.request import SamplingParams
 from kvconnect.events import BlockRemoved, BlockStored
+from kvconnect.stream.publisher import ZmqEventPublisher
 from kvconnect.stream.subscriber import KVEventSubscriber, ReceivedBatch
 
 
@@ -70,6 +71,11 @@ def run_generate(args: argparse.Namespace, out: TextIO) -> int:
             file=out,
             flush=True,
         )
+        # The summary's subscriber connected before the engine bound the endpoint: what is
+        # published before its subscription reaches the socket would go to no one.
+        publisher = llm.publisher
+        if isinstance(publisher, ZmqEventPublisher) and not publisher.wait_for_subscriber(10):
+            print("# the summary's subscriber did not connect in 10 s", file=out)
         for run in range(args.repeat):
             t0 = time.monotonic()
             outputs = llm.generate(args.prompt, params)
