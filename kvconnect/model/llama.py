@@ -274,7 +274,13 @@ class DecoderLayer(nn.Module):
 class _Backbone(nn.Module):
     def __init__(self, config: ModelConfig, tp: int) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # Built on the meta device and filled by the loader: no initial values. (An
+        # Embedding's own init, normal_ on a meta tensor, imports torch._dynamo: 1.4 s.)
+        self.embed_tokens = nn.Embedding(
+            config.vocab_size,
+            config.hidden_size,
+            _weight=torch.empty(config.vocab_size, config.hidden_size),
+        )
         self.layers = nn.ModuleList(
             DecoderLayer(config, tp, i) for i in range(config.num_hidden_layers)
         )
