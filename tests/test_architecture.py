@@ -9,6 +9,7 @@ its row fails here, so the map cannot drift from the code.
 from __future__ import annotations
 
 import ast
+import functools
 import re
 from pathlib import Path
 
@@ -67,6 +68,7 @@ def imports_of(path: Path) -> set[str]:
     return found
 
 
+@functools.cache  # read-only: parsed once for every test here
 def code_modules() -> dict[str, set[str]]:
     """Every module with more than a docstring, by name, with its imports."""
     result = {}
