@@ -175,32 +175,47 @@ class PagedKV:
         _, _, _, heads, planes, dim = self.layers[0].shape
         return (len(self.layers), planes, num_tokens, heads, dim)
 
-    def _ids(self, block_ids: Sequence[int]) -> torch.Tensor:
-        ids = torch.tensor(list(block_ids), dtype=torch.long)
-        if self.device.type == "cpu":
-            return ids
-        # From pageable memory the copy would first wait for the stream (which may be waiting
-        # for the forward); from pinned memory it is queued and the host goes on.
-        return ids.pin_memory().to(self.device, non_blocking=True)
+    def _runs(self, block_ids: Sequence[int]) -> list[tuple[int, int, int]]:
+        """(position in the chunk, first block id, length) of each run of consecutive ids.
+        Copies go run by run through plain slices: index_copy_/index_select took 3.5 times
+        as long on CPU (bench/vllm_offload.py's 16-chunk load: 138 ms against 40), and need
+        no index tensor (on CUDA, one host-to-device copy fewer per chunk)."""
+        num = self.num_blocks
+        runs: list[tuple[int, int, int]] = []
+        for i, b in enumerate(block_ids):
+            if not 0 <= b < num:
+                raise IndexError(f"block id {b} is outside the cache's {num} blocks")
+            if runs and runs[-1][1] + runs[-1][2] == b:
+                pos, first, length = runs[-1]
+                runs[-1] = (pos, first, length + 1)
+            else:
+                runs.append((i, b, 1))
+        return runs
 
     def gather(self, block_ids: Sequence[int]) -> torch.Tensor:
         """The blocks' KV as a chunk [layers, P, len(block_ids) * block_size, H, D], a new
         tensor on the cache's device (on CUDA: issued on the caller's current stream)."""
-        ids = self._ids(block_ids)
+        runs = self._runs(block_ids)
         out = torch.empty(
             self.chunk_shape(len(block_ids) * self.block_size), dtype=self.dtype, device=self.device
         )
+        _, r, n, h, p, d = _bytes(self.layers[0]).shape
         for layer, dst in zip(self.layers, _bytes(out), strict=True):
             # [b, R, N, H, P, D] -> [P, b, R, N, H, D]: tokens in block order, per plane
-            blocks = _bytes(layer).index_select(0, ids).permute(4, 0, 1, 2, 3, 5)
-            dst.view(blocks.shape).copy_(blocks)
+            blocks = dst.view(p, len(block_ids), r, n, h, d)
+            source = _bytes(layer)
+            for pos, first, length in runs:
+                run = source[first : first + length].permute(4, 0, 1, 2, 3, 5)
+                blocks[:, pos : pos + length].copy_(run)
         return out
 
     def scatter(self, block_ids: Sequence[int], chunk: torch.Tensor) -> None:
         """Write `chunk` ([layers, P, len(block_ids) * block_size, H, D], on the cache's
         device) into the blocks: the inverse of `gather`."""
-        ids = self._ids(block_ids)
+        runs = self._runs(block_ids)
         _, r, n, h, p, d = _bytes(self.layers[0]).shape
         for layer, src in zip(self.layers, _bytes(chunk), strict=True):
             blocks = src.reshape(p, len(block_ids), r, n, h, d).permute(1, 2, 3, 4, 0, 5)
-            _bytes(layer).index_copy_(0, ids, blocks)
+            target = _bytes(layer)
+            for pos, first, length in runs:
+                target[first : first + length].copy_(blocks[pos : pos + length])

@@ -319,3 +319,33 @@ def test_cpu_attn_k_rows_then_v_rows_are_the_k_and_v_planes() -> None:
         check_moved(expected, views, [4, 0], [2, 3])
     finally:
         worker.shutdown()
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_runs_of_consecutive_blocks_and_gaps_move_as_one_index_copy_would(layout: str) -> None:
+    """gather and scatter copy run by run (slices, not index kernels): for ids in runs, with
+    gaps and out of order, the chunk is what index_select reads and the cache what
+    index_copy_ writes; an id outside the cache is refused before anything is written."""
+    _, views = allocate_like_vllm(LAYOUTS[layout], SPECS["full_fp32"])
+    fill_known(views)
+    paged = PagedKV.from_views(
+        {f"l{i}": from_logical(f"l{i}", v, BLOCKS, 2, layout) for i, v in enumerate(views)}
+    )
+    ids = [4, 5, 6, 1, 9, 10, 0]
+    index = torch.tensor(ids)
+    chunk = paged.gather(ids)
+    for layer, got in zip(paged.layers, chunk, strict=True):
+        want = layer.index_select(0, index).permute(4, 0, 1, 2, 3, 5)
+        assert torch.equal(got, want.reshape(got.shape))
+    expected = [layer.clone() for layer in paged.layers]
+    new = torch.randn_like(chunk)
+    for want, src in zip(expected, new, strict=True):
+        _, r, n, h, p, d = want.shape
+        want.index_copy_(0, index, src.reshape(p, len(ids), r, n, h, d).permute(1, 2, 3, 4, 0, 5))
+    paged.scatter(ids, new)
+    assert all(torch.equal(a, b) for a, b in zip(paged.layers, expected, strict=True))
+    before = [layer.clone() for layer in paged.layers]
+    for bad in ([2, BLOCKS], [-1, 0]):
+        with pytest.raises(IndexError, match="outside the cache"):
+            paged.scatter(bad, new[:, :, : 2 * BS])
+    assert all(torch.equal(a, b) for a, b in zip(paged.layers, before, strict=True))
