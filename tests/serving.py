@@ -114,8 +114,8 @@ class Process:
             return None
         if self.alive():
             self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(timeout=20)
+            try:  # generous: a fresh clone's first minutes compile every module on every core
+                self.proc.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 self.kill()
         return self.proc.returncode
