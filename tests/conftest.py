@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,12 @@ from typing import Any
 # spinning threads, 5-6 s of CPU and 15 s with sleeping ones. Set before torch is imported
 # (libgomp reads it when it loads); every process the tests start inherits it.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+# A suite started in the background of a non-interactive shell (`make test &`) inherits SIGINT
+# ignored, and so would every process it starts: the tests that stop a CLI with Ctrl-C need it
+# delivered (an ignored signal stays ignored across exec; a handled one is reset to default).
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 import shutil
 from collections.abc import Iterator
