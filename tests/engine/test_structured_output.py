@@ -12,6 +12,7 @@ import xgrammar as xgr
 
 from kvconnect.engine.sampler import SamplingBatch, apply_token_bitmask, sample
 from kvconnect.engine.structured_output import (
+    Grammar,
     GrammarCompiler,
     StructuredOutputsParams,
     grammar_bitmask,
@@ -77,16 +78,21 @@ def test_the_unpacked_bitmask_equals_xgrammars_own_kernel(compiler: GrammarCompi
     assert torch.equal(ours[[0, 2, 4]], logits[[0, 2, 4]])  # rows without a grammar untouched
 
 
-def test_a_grammar_allows_only_eos_once_complete_and_then_terminates(
-    compiler: GrammarCompiler,
-) -> None:
+def complete_digits(compiler: GrammarCompiler) -> tuple[Grammar, torch.Tensor]:
+    """A DIGITS matcher fed "42" (complete: only EOS may follow) and its one-row bitmask."""
     grammar = compiler.matcher(DIGITS)
     for ch in b"42":
         grammar.accept(ch)
         assert not grammar.is_done
     mask = grammar_bitmask([("r", grammar)])
     assert mask is not None
-    bitmask = torch.from_numpy(mask.bitmask)
+    return grammar, torch.from_numpy(mask.bitmask)
+
+
+def test_a_grammar_allows_only_eos_once_complete_and_then_terminates(
+    compiler: GrammarCompiler,
+) -> None:
+    grammar, bitmask = complete_digits(compiler)
     allowed = apply_token_bitmask(torch.zeros(1, VOCAB), torch.tensor([0]), bitmask)
     assert torch.isfinite(allowed[0]).nonzero().flatten().tolist() == [BYTE_EOS]
     grammar.accept(BYTE_EOS)
@@ -158,12 +164,8 @@ def test_a_ban_that_leaves_a_grammar_no_token_gives_way_to_the_grammar(
     compiler: GrammarCompiler,
 ) -> None:
     """min_tokens bans EOS, the only token a complete grammar allows: the grammar wins."""
-    grammar = compiler.matcher(DIGITS)
-    for ch in b"42":
-        grammar.accept(ch)
-    mask = grammar_bitmask([("r", grammar)])
-    assert mask is not None
-    rows = batch(1, 0.0, torch.from_numpy(mask.bitmask))
+    _, bitmask = complete_digits(compiler)
+    rows = batch(1, 0.0, bitmask)
     rows.banned = (torch.tensor([0]), torch.tensor([BYTE_EOS]))
     assert sample(torch.zeros(1, VOCAB), rows).token_ids == [BYTE_EOS]
     free = batch(1, 0.0, torch.full((1, 9), -1, dtype=torch.int32))  # allows all
