@@ -69,7 +69,7 @@ class GGUFFile:
             with open(path, "rb") as f:
                 self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         except (OSError, ValueError) as e:  # ValueError: an empty file cannot be mapped
-            raise ValueError(f"{path}: not a readable GGUF file ({e})") from e
+            raise self._bad(str(e)) from e
         try:
             self.metadata, self._table, self._data_start = self._parse()
         except (struct.error, UnicodeDecodeError, IndexError, KeyError) as e:
