@@ -144,6 +144,14 @@ def wait_subscribed(xpub: zmq.Socket[bytes], timeout: float = 10.0) -> None:
     assert xpub.recv()[:1] == b"\x01"
 
 
+def wait_for(condition: Callable[[], bool], timeout: float = 10.0) -> None:
+    """Until `condition()` holds (checked every 10 ms); fails after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.01)
+
+
 def poll_until(
     sub: KVEventSubscriber, condition: Callable[[], bool], timeout: float = 10.0
 ) -> list[SubscriberItem]:

@@ -49,7 +49,7 @@ _BUSY_BODY = json.dumps(
         }
     }
 ).encode()
-_BUSY = (
+BUSY_RESPONSE = (
     b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
     + f"Retry-After: {RETRY_AFTER_S}\r\nContent-Length: {len(_BUSY_BODY)}\r\n".encode()
     + b"Connection: close\r\n\r\n"
@@ -96,7 +96,7 @@ class _Guarded(asyncio.Protocol):
         transport = cast(asyncio.Transport, base)  # uvloop's are no asyncio.Transport subclass
         listener = self._listener
         if len(listener.open) >= listener.limits.max_connections:
-            transport.write(_BUSY)
+            transport.write(BUSY_RESPONSE)
             transport.close()
             return
         self._transport, self._open = transport, True
@@ -202,4 +202,4 @@ class Listener:
             await self._runner.cleanup()
 
 
-__all__ = ["BODY_TIMEOUT", "ConnectionLimits", "Listener"]
+__all__ = ["BODY_TIMEOUT", "BUSY_RESPONSE", "ConnectionLimits", "Listener"]

@@ -26,12 +26,11 @@ import urllib.request
 from pathlib import Path
 from typing import TextIO
 
-from kvconnect.api.connections import Listener
 from kvconnect.commands.redis_server import LocalRedis
 from kvconnect.commands.startup import EVENTS_PORT_OFFSET, REPLAY_PORT_OFFSET, check_port_free
 from kvconnect.router.core import Instance, Router
 from kvconnect.router.index import BlockIndex
-from kvconnect.router.server import RouterOptions, make_app
+from kvconnect.router.server import RouterFront
 from kvconnect.tokenizer import load_tokenizer
 
 
@@ -132,14 +131,13 @@ class BackgroundRouter:
 
     def __init__(self, router: Router, port: int) -> None:
         self.url = f"http://127.0.0.1:{port}"
-        options = RouterOptions()  # the connection cap and deadlines of `kvconnect router`
-        self._listener = Listener(make_app(router, options), options.limits)
+        self._front = RouterFront(router)  # the connection cap and deadlines of `kvconnect router`
         self._loop = asyncio.new_event_loop()
-        self._loop.run_until_complete(self._listener.start("127.0.0.1", port))
+        self._loop.run_until_complete(self._front.start("127.0.0.1", port))
         threading.Thread(target=self._loop.run_forever, daemon=True).start()
 
     def stop(self) -> None:
-        asyncio.run_coroutine_threadsafe(self._listener.close(), self._loop).result(timeout=10)
+        asyncio.run_coroutine_threadsafe(self._front.close(), self._loop).result(timeout=10)
         self._loop.call_soon_threadsafe(self._loop.stop)
 
 

@@ -55,6 +55,7 @@ class Connection(asyncio.Protocol):
         self._paused = False
         self._waiter: asyncio.Future[None] | None = None
         self._lost: asyncio.Future[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's are no subclass of it
@@ -62,7 +63,8 @@ class Connection(asyncio.Protocol):
         if sock is not None:  # asyncio and uvloop set it as well: a request is one write
             with contextlib.suppress(OSError):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self._lost = asyncio.get_running_loop().create_future()
+        self._loop = asyncio.get_running_loop()  # once: each lookup is a getpid() syscall
+        self._lost = self._loop.create_future()
 
     def data_received(self, data: bytes) -> None:
         self.buffer += data
@@ -95,7 +97,8 @@ class Connection(asyncio.Protocol):
             self._paused = False
             self.transport.resume_reading()
         self.deadline = time.monotonic() + self.read_timeout
-        self._waiter = asyncio.get_running_loop().create_future()
+        assert self._loop is not None, "read before it was connected"
+        self._waiter = self._loop.create_future()
         await self._waiter
 
     def _take(self, n: int) -> bytes:

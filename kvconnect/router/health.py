@@ -18,7 +18,7 @@ import logging
 import time
 from dataclasses import dataclass
 
-import aiohttp
+from kvconnect.router.upstream import Unreachable, UpstreamBroken, UpstreamPool
 
 logger = logging.getLogger(__name__)
 
@@ -60,20 +60,25 @@ class HealthChecker:
                 logger.warning("router: %s leaves rotation: %s", url, reason)
         state.reason = reason
 
-    async def check(self, session: aiohttp.ClientSession, url: str) -> None:
+    async def check(self, pool: UpstreamPool, url: str) -> None:
         try:
-            async with session.get(
-                url + "/health", timeout=aiohttp.ClientTimeout(total=self.timeout)
-            ) as resp:
-                if resp.status == 200:
-                    self.mark(url, True, "healthy")
-                else:
-                    self.mark(url, False, f"/health answered {resp.status}")
-        except (aiohttp.ClientError, TimeoutError) as e:
+            async with asyncio.timeout(self.timeout):
+                resp = await pool.get(url, "/health")
+                try:
+                    await resp.read()
+                finally:
+                    resp.release()
+        except (Unreachable, UpstreamBroken, TimeoutError) as e:
             self.mark(url, False, f"/health failed: {type(e).__name__} {e}".strip())
+            return
+        if resp.status == 200:
+            self.mark(url, True, "healthy")
+        else:
+            self.mark(url, False, f"/health answered {resp.status}")
 
-    async def run(self, session: aiohttp.ClientSession) -> None:
-        """Check every instance, forever (cancel to stop)."""
+    async def run(self, pool: UpstreamPool) -> None:
+        """Check every instance, forever (cancel to stop), over the relay's own lean
+        connections (a check's CPU is taken from the requests it meets)."""
         while True:
-            await asyncio.gather(*(self.check(session, url) for url in self.states))
+            await asyncio.gather(*(self.check(pool, url) for url in self.states))
             await asyncio.sleep(self.interval)

@@ -22,28 +22,31 @@ vllm-router's `--api-key`), and the instances may have a key of their own, which
 never see.
 
 Backends are any OpenAI-compatible servers (`kvconnect serve`, `vllm serve`) that publish KV
-events. The state (`core.Router`) is started by the caller; the app owns the HTTP client
-session and the health checks (`health.py`) for its lifetime. This module never imports torch.
+events. The state (`core.Router`) is started by the caller; `RouterFront` serves the routes
+through `api/h1.py`'s server (aiohttp's cost the relay a third of its CPU: that module says
+why) and owns the upstream pool (`upstream.py`: the relays, /v1/models, the health checks)
+and the checks themselves (`health.py`) for its lifetime. This module never
+imports torch.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import signal
+from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import aiohttp
 import msgspec
-from aiohttp import web
 
 from kvconnect import __version__
 from kvconnect.api.auth import BearerAuth
-from kvconnect.api.connections import ConnectionLimits, Listener
-from kvconnect.api.http import access_and_errors, error_response, read_body
+from kvconnect.api.connections import ConnectionLimits
+from kvconnect.api.h1 import H1Server, Handler, Request, Response, error_response, json_response
 from kvconnect.api.protocol import (
-    MAX_BODY_BYTES,
     ApiError,
     ChatCompletionRequest,
     CompletionRequest,
@@ -62,10 +65,6 @@ from kvconnect.router.upstream import (
 
 logger = logging.getLogger(__name__)
 
-SESSION = web.AppKey("session", aiohttp.ClientSession)
-POOL = web.AppKey("pool", UpstreamPool)
-HEALTH_TASK = web.AppKey("health_task", asyncio.Task[None])
-ROUTER = web.AppKey("router", Router)
 INLINE_TOKENIZE_BYTES = 16 << 10
 """Bodies up to this size are tokenized on the event loop (ids need no tokenizing at all)."""
 
@@ -90,34 +89,67 @@ class RouterOptions:
             raise ValueError(f"--upstream-timeout {self.upstream_timeout}: must be positive")
 
 
-OPTIONS = web.AppKey("options", RouterOptions)
-
-
-def _none_in_rotation() -> web.Response:
+def _none_in_rotation() -> Response:
     return error_response(
         ApiError("no instance is in rotation", status=503, type_="service_unavailable")
     )
 
 
+def _counted(release: Callable[[], None], in_flight: Counter[str], name: str) -> Callable[[], None]:
+    def done() -> None:
+        release()
+        in_flight[name] -= 1
+
+    return done
+
+
 class RouterServer:
-    """The request handlers over one `Router`."""
+    """The request handlers over one `Router`; `start()` opens the upstream pool, the client
+    session and the health checks, `close()` closes them and the router."""
 
     def __init__(self, router: Router, options: RouterOptions) -> None:
         self.router = router
+        self.options = options
         self.metrics = RouterMetrics(router)
         key = options.instance_api_key
         self._instance_auth = f"Bearer {key}" if key is not None else None
+        self.pool = UpstreamPool(read_timeout=options.upstream_timeout)
+        self._health: asyncio.Task[None] | None = None
 
-    def _authorization(self, http: web.Request) -> str | None:
+    async def start(self) -> None:
+        self._health = asyncio.create_task(self.router.health.run(self.pool))
+
+    async def close(self) -> None:
+        if self._health is not None:
+            self._health.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._health
+        await self.pool.close()
+        await asyncio.to_thread(self.router.close)
+
+    def routes(self) -> dict[str, dict[str, Handler]]:
+        return {
+            "/v1/completions": {"POST": self.completions},
+            "/v1/chat/completions": {"POST": self.chat_completions},
+            "/v1/models": {"GET": self.to_any_instance},
+            "/tokenize": {"POST": self.to_any_instance},
+            "/detokenize": {"POST": self.to_any_instance},
+            "/version": {"GET": self.version},
+            "/kv/score": {"POST": self.kv_score},
+            "/health": {"GET": self.health},
+            "/metrics": {"GET": self.prometheus},
+        }
+
+    def _authorization(self, http: Request) -> str | None:
         """What the instance is shown: the router's own key, else the client's header."""
-        return self._instance_auth or http.headers.get("Authorization")
+        return self._instance_auth or http.headers.get("authorization")
 
     async def _parse(
-        self, http: web.Request, chat: bool | None
-    ) -> tuple[bytes, CompletionRequest | ChatCompletionRequest, list[int]]:
-        """The body, its request (a chat when `chat`, or when None and it has messages) and
-        the prompt tokens the engines will see; `ApiError` when it is not valid."""
-        raw = await read_body(http)
+        self, http: Request, chat: bool | None
+    ) -> tuple[CompletionRequest | ChatCompletionRequest, list[int]]:
+        """The body's request (a chat when `chat`, or when None and it has messages) and the
+        prompt tokens the engines will see; `ApiError` when it is not valid."""
+        raw = http.body
         if chat is None:
             try:
                 chat = b'"messages"' in raw and "messages" in msgspec.json.decode(raw)
@@ -128,16 +160,13 @@ class RouterServer:
         if len(raw) <= INLINE_TOKENIZE_BYTES:
             # Token ids, or text short enough to tokenize in well under a millisecond: a
             # thread hop would cost more than it saves.
-            return raw, req, self.router.prompt_tokens(req)
+            return req, self.router.prompt_tokens(req)
         token_ids = await asyncio.to_thread(self.router.prompt_tokens, req)
-        return raw, req, token_ids
+        return req, token_ids
 
-    async def route(self, http: web.Request, chat: bool) -> web.StreamResponse:
-        try:
-            raw, req, token_ids = await self._parse(http, chat)
-        except ApiError as e:
-            return error_response(e)
-        router, pool = self.router, http.app[POOL]
+    async def route(self, http: Request, chat: bool) -> Response:
+        req, token_ids = await self._parse(http, chat)
+        router = self.router
         authorization = self._authorization(http)
         tried: set[str] = set()
         while True:
@@ -146,57 +175,48 @@ class RouterServer:
                 return _none_in_rotation()
             instance, score = picked
             tried.add(instance.name)
-            http["instance"] = instance.name
-            router.in_flight[instance.name] += 1
+            http.instance = instance.name
+            in_flight = router.in_flight
+            in_flight[instance.name] += 1
             try:
                 check = stale_check(req, token_ids)
-                return await forward(http, pool, instance, raw, router, score, check, authorization)
-            except Unreachable as e:
+                response = await forward(
+                    http, self.pool, instance, http.body, router, score, check, authorization
+                )
+            except BaseException as e:
+                in_flight[instance.name] -= 1
+                if not isinstance(e, Unreachable):
+                    raise
                 logger.warning("router: %s unreachable (%s); trying another", instance.name, e)
                 router.mark_down(instance.name, f"forward failed: {e}")
-            finally:
-                router.in_flight[instance.name] -= 1
+                continue
+            if response.on_close is None:
+                in_flight[instance.name] -= 1
+            else:  # a stream: in flight until it is sent, cut or abandoned
+                response.on_close = _counted(response.on_close, in_flight, instance.name)
+            return response
 
-    async def completions(self, http: web.Request) -> web.StreamResponse:
+    async def completions(self, http: Request) -> Response:
         return await self.route(http, chat=False)
 
-    async def chat_completions(self, http: web.Request) -> web.StreamResponse:
+    async def chat_completions(self, http: Request) -> Response:
         return await self.route(http, chat=True)
 
-    async def models(self, http: web.Request) -> web.Response:
+    async def to_any_instance(self, http: Request) -> Response:
+        """/v1/models, /tokenize and /detokenize: every instance serves the same model, so
+        the first in rotation answers (its answer passed back unchanged)."""
         router = self.router
         authorization = self._authorization(http)
-        headers = {"Authorization": authorization} if authorization else None
         for inst in router.instances:
             if not router.health.is_up(inst.name):
                 continue
             try:
-                url = inst.url + "/v1/models"
-                async with http.app[SESSION].get(url, headers=headers) as resp:
-                    body = await resp.read()
-                    http["instance"] = inst.name
-                    return web.Response(
-                        body=body, status=resp.status, content_type="application/json"
+                if http.method == "POST":
+                    upstream = await self.pool.post(
+                        inst.url, http.path, http.body, authorization=authorization
                     )
-            except aiohttp.ClientError as e:
-                router.mark_down(inst.name, f"/v1/models failed: {e}")
-        return _none_in_rotation()
-
-    async def to_any_instance(self, http: web.Request) -> web.Response:
-        """/tokenize and /detokenize: every instance serves the same model, so the first in
-        rotation answers (its answer passed back unchanged, as vLLM's or kvconnect's)."""
-        router = self.router
-        try:
-            raw = await read_body(http)
-        except ApiError as e:
-            return error_response(e)
-        for inst in router.instances:
-            if not router.health.is_up(inst.name):
-                continue
-            try:
-                upstream = await http.app[POOL].post(
-                    inst.url, http.path, raw, authorization=self._authorization(http)
-                )
+                else:
+                    upstream = await self.pool.get(inst.url, http.path, authorization)
             except (Unreachable, UpstreamTimeout) as e:
                 router.mark_down(inst.name, f"{http.path} failed: {e}")
                 continue
@@ -209,22 +229,19 @@ class RouterServer:
                 continue
             finally:
                 upstream.release()
-            http["instance"] = inst.name
+            http.instance = inst.name
             content_type = upstream.headers.get("content-type", "application/json")
-            headers = {"Content-Type": content_type, "x-kvconnect-instance": inst.name}
-            return web.Response(body=body, status=upstream.status, headers=headers)
+            headers = {"x-kvconnect-instance": inst.name}
+            return Response(upstream.status, body, content_type, headers)
         return _none_in_rotation()
 
-    async def version(self, _: web.Request) -> web.Response:
-        return web.json_response({"version": __version__})
+    async def version(self, _: Request) -> Response:
+        return json_response({"version": __version__})
 
-    async def kv_score(self, http: web.Request) -> web.Response:
+    async def kv_score(self, http: Request) -> Response:
         """What each instance holds of a prompt or a chat's messages, as the router sees it
         (nothing is sent)."""
-        try:
-            _, req, token_ids = await self._parse(http, None)
-        except ApiError as e:
-            return error_response(e)
+        req, token_ids = await self._parse(http, None)
         scores = self.router.scores(token_ids, req.cache_salt)
         instances = {
             name: {
@@ -235,9 +252,9 @@ class RouterServer:
             }
             for name, sc in scores.items()
         }
-        return web.json_response({"prompt_tokens": len(token_ids), "instances": instances})
+        return json_response({"prompt_tokens": len(token_ids), "instances": instances})
 
-    async def health(self, _: web.Request) -> web.Response:
+    async def health(self, _: Request) -> Response:
         states = self.router.health.states
         instances = {
             name: {"state": "up" if s.up else "down", "reason": s.reason}
@@ -245,63 +262,40 @@ class RouterServer:
         }
         up = sum(s.up for s in states.values())
         status = "ok" if up == len(instances) else "degraded" if up else "error"
-        return web.json_response(
-            {"status": status, "instances": instances}, status=200 if up else 503
-        )
+        return json_response({"status": status, "instances": instances}, 200 if up else 503)
 
-    async def prometheus(self, _: web.Request) -> web.Response:
+    async def prometheus(self, _: Request) -> Response:
         text = await asyncio.to_thread(self.metrics.render)
-        return web.Response(body=text, content_type="text/plain", charset="utf-8")
+        return Response(200, text, "text/plain; charset=utf-8")
 
 
-async def _open(app: web.Application) -> None:
-    session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=5))
-    app[SESSION] = session  # health checks and /v1/models
-    app[POOL] = UpstreamPool(read_timeout=app[OPTIONS].upstream_timeout)  # the completions
-    app[HEALTH_TASK] = asyncio.create_task(app[ROUTER].health.run(session))
+class RouterFront:
+    """`Router`'s HTTP front on host:port: the handlers, their server, their lifetime."""
 
+    def __init__(self, router: Router, options: RouterOptions | None = None) -> None:
+        options = options or RouterOptions()
+        self.handlers = RouterServer(router, options)
+        auth = BearerAuth(options.api_key, options.admin_token)
+        self.server = H1Server(self.handlers.routes(), options.limits, auth)
 
-async def _close(app: web.Application) -> None:
-    app[HEALTH_TASK].cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await app[HEALTH_TASK]
-    await app[SESSION].close()
-    await app[POOL].close()
-    await asyncio.to_thread(app[ROUTER].close)
+    async def start(self, host: str, port: int) -> None:
+        await self.handlers.start()
+        await self.server.start(host, port)
 
-
-def make_app(router: Router, options: RouterOptions | None = None) -> web.Application:
-    """The router's aiohttp app; on cleanup it closes `router` too."""
-    options = options or RouterOptions()
-    handlers = RouterServer(router, options)
-    auth = BearerAuth(options.api_key, options.admin_token)
-    middlewares = [access_and_errors, auth.middleware()] if auth.enabled else [access_and_errors]
-    app = web.Application(middlewares=middlewares, client_max_size=MAX_BODY_BYTES + 1)
-    app[ROUTER] = router
-    app[OPTIONS] = options
-    app.on_startup.append(_open)
-    app.on_cleanup.append(_close)
-    app.router.add_post("/v1/completions", handlers.completions)
-    app.router.add_post("/v1/chat/completions", handlers.chat_completions)
-    app.router.add_get("/v1/models", handlers.models)
-    app.router.add_post("/tokenize", handlers.to_any_instance)
-    app.router.add_post("/detokenize", handlers.to_any_instance)
-    app.router.add_get("/version", handlers.version)
-    app.router.add_post("/kv/score", handlers.kv_score)
-    app.router.add_get("/health", handlers.health)
-    app.router.add_get("/metrics", handlers.prometheus)
-    return app
+    async def close(self) -> None:
+        """Stop listening and close every connection, then the pool, the checks, the router."""
+        await self.server.close()
+        await self.handlers.close()
 
 
 async def serve_router(
     router: Router, host: str, port: int, options: RouterOptions | None = None
 ) -> int:
     """Serve `router` on host:port until SIGINT or SIGTERM; 0."""
-    options = options or RouterOptions()
-    listener = Listener(make_app(router, options), options.limits)
+    front = RouterFront(router, options)
     stop = asyncio.Event()
     try:
-        await listener.start(host, port)
+        await front.start(host, port)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
@@ -310,7 +304,10 @@ async def serve_router(
             for i in router.instances
         )
         print(f"kvconnect router: ready at http://{host}:{port}; instances: {listing}", flush=True)
+        # What start-up made (tokenizer, template, modules) stays: out of the collector's
+        # sight, a full collection no longer walks it in the middle of a request (as vLLM).
+        gc.freeze()
         await stop.wait()
     finally:
-        await listener.close()
+        await front.close()
     return 0

@@ -163,20 +163,30 @@ class UpstreamPool:
         self.read_timeout = read_timeout
         self._idle: defaultdict[str, list[Connection]] = defaultdict(list)
         self._busy: set[Connection] = set()
-        self._targets: dict[tuple[str, str], tuple[str, str, int, bytes]] = {}
+        self._targets: dict[tuple[str, str, str], tuple[str, str, int, bytes]] = {}
         self._watchdog: asyncio.Task[None] | None = None
         self._closed = False
 
-    def _target(self, base_url: str, path: str) -> tuple[str, str, int, bytes]:
+    def _target(self, method: str, base_url: str, path: str) -> tuple[str, str, int, bytes]:
         """(pool key, host, port, the request line and Host header) for a URL, made once."""
-        found = self._targets.get((base_url, path))
+        found = self._targets.get((method, base_url, path))
         if found is None:
             parts = urlsplit(base_url)
             host, port = parts.hostname or "127.0.0.1", parts.port or 80
             key = f"{host}:{port}"
-            line = f"POST {parts.path.rstrip('/')}{path} HTTP/1.1\r\nHost: {key}\r\n"
-            found = self._targets[(base_url, path)] = (key, host, port, line.encode("latin-1"))
+            line = f"{method} {parts.path.rstrip('/')}{path} HTTP/1.1\r\nHost: {key}\r\n"
+            line_bytes = line.encode("latin-1")
+            found = self._targets[(method, base_url, path)] = (key, host, port, line_bytes)
         return found
+
+    async def get(
+        self, base_url: str, path: str, authorization: str | None = None
+    ) -> UpstreamResponse:
+        """GET, as `post` without a body (the health checks, /v1/models)."""
+        head = self._target("GET", base_url, path)[3]
+        if authorization:
+            head += f"Authorization: {authorization}\r\n".encode("latin-1")
+        return await self._send("GET", base_url, path, head + b"\r\n")
 
     async def post(
         self,
@@ -191,11 +201,17 @@ class UpstreamPool:
         empty answer) is retried on a new one, so only a fresh connection's failure counts.
         An instance silent for `read_timeout` is `UpstreamTimeout` (never retried: it may be
         working on it). `authorization` is sent as that header (no CR or LF in it)."""
-        key, host, port, line = self._target(base_url, path)
+        line = self._target("POST", base_url, path)[3]
         auth = f"Authorization: {authorization}\r\n" if authorization else ""
         head = line + (
             f"{auth}Content-Type: {content_type}\r\nContent-Length: {len(body)}\r\n\r\n"
         ).encode("latin-1")
+        return await self._send("POST", base_url, path, head + body)
+
+    async def _send(
+        self, method: str, base_url: str, path: str, request: bytes
+    ) -> UpstreamResponse:
+        key, host, port, _ = self._target(method, base_url, path)
         if self._watchdog is None:
             self._watchdog = asyncio.create_task(self._watch())
         while True:
@@ -205,7 +221,7 @@ class UpstreamPool:
             conn.deadline = time.monotonic() + self.read_timeout
             self._busy.add(conn)
             try:
-                conn.write(head + body)
+                conn.write(request)
                 status, headers = await _read_head(conn)
                 return UpstreamResponse(self, key, conn, status, headers)
             except (ConnectionError, UpstreamBroken) as e:
