@@ -404,7 +404,8 @@ def tiny_part(ttfts: dict[str, list[float]]) -> str:
             events = json.dumps({"enable_kv_cache_events": True})
             args = [sys.executable, "-m", "kvconnect.cli", "serve", "--model", "tiny",
                     "--port", str(port), "--kv-events-config", events,
-                    "--num-kv-blocks", "8192"]  # fmt: skip
+                    "--num-kv-blocks", "8192",  # the hit rate is read from usage:
+                    "--enable-prompt-tokens-details"]  # fmt: skip
             ps.start(args, f"serve-{i}", f"http://127.0.0.1:{port}")
             backends.append((f"http://127.0.0.1:{port}", port + 10000))
         urls = [u for u, _ in backends]
