@@ -2,8 +2,10 @@
 model (SmolLM2-135M, float32), the same prompts and the same machine, in one run.
 
     prefill tok/s   8 prompts x 512 random tokens, 1 output token each
-    decode tok/s    16 prompts x 16 tokens, 64 output tokens each
+    decode tok/s    batch 16: 16 prompts x 16 tokens, 64 output tokens each;
+                    batch 1: one of them alone
     TTFT            a 2,048-token prompt cold, then again (a prefix-cache hit)
+    ratios          kvconnect / vLLM for prefill and both decodes (issue 26 holds them >= 0.8)
 
 Run with the project's python; vLLM's side runs in `.vllm/venv` (skipped with a note when that
 environment has not been built: `make test-vllm` builds it).
@@ -61,11 +63,13 @@ def vllm_side_figures() -> dict[str, float]:
     run([[1, 2, 3]], 2)  # warm up
     prefill = timed(lambda: run(w["prefill"], 1))
     decode = timed(lambda: run(w["decode"], 64))
+    decode1 = timed(lambda: run(w["decode"][:1], 64))
     cold = timed(lambda: run([w["long"]], 1))
     hit = timed(lambda: run([w["long"]], 1))
     return {
         "prefill": 8 * 512 / prefill,
         "decode": 16 * 64 / decode,
+        "decode1": 64 / decode1,
         "cold": cold,
         "hit": hit,
     }
@@ -83,9 +87,16 @@ def kvconnect_side() -> dict[str, float]:
         run([[1, 2, 3]], 2)
         prefill = timed(lambda: run(w["prefill"], 1))
         decode = timed(lambda: run(w["decode"], 64))
+        decode1 = timed(lambda: run(w["decode"][:1], 64))
         cold = timed(lambda: run([w["long"]], 1))
         hit = timed(lambda: run([w["long"]], 1))
-    return {"prefill": 8 * 512 / prefill, "decode": 16 * 64 / decode, "cold": cold, "hit": hit}
+    return {
+        "prefill": 8 * 512 / prefill,
+        "decode": 16 * 64 / decode,
+        "decode1": 64 / decode1,
+        "cold": cold,
+        "hit": hit,
+    }
 
 
 def main() -> None:
@@ -95,8 +106,8 @@ def main() -> None:
     ours = kvconnect_side()
     line = (
         f"engine vs vLLM (smollm2 fp32, CPU, TP1): prefill tok/s {ours['prefill']:.0f}; decode "
-        f"tok/s {ours['decode']:.0f}; TTFT 2048 cold {ours['cold'] * 1000:.0f} ms, hit "
-        f"{ours['hit'] * 1000:.0f} ms"
+        f"tok/s batch 16 {ours['decode']:.0f}, batch 1 {ours['decode1']:.1f}; TTFT 2048 cold "
+        f"{ours['cold'] * 1000:.0f} ms, hit {ours['hit'] * 1000:.0f} ms"
     )
     if not vllm_side.built():
         print(f"{line}; vLLM: not built (make test-vllm builds .vllm/)")
@@ -105,9 +116,15 @@ def main() -> None:
     if isinstance(theirs, str):
         print(f"{line}; vLLM {theirs}")
         return
+    ratios = ", ".join(
+        f"{what} {ours[key] / theirs[key]:.2f}x"
+        for what, key in (("prefill", "prefill"), ("decode b16", "decode"), ("b1", "decode1"))
+    )
     print(
-        f"{line} | vLLM {theirs['prefill']:.0f} tok/s prefill, {theirs['decode']:.0f} tok/s "
-        f"decode, TTFT 2048 cold {theirs['cold'] * 1000:.0f} ms, hit {theirs['hit'] * 1000:.0f} ms"
+        f"{line} | vLLM {theirs['prefill']:.0f} tok/s prefill, decode batch 16 "
+        f"{theirs['decode']:.0f}, batch 1 {theirs['decode1']:.1f}, TTFT 2048 cold "
+        f"{theirs['cold'] * 1000:.0f} ms, hit {theirs['hit'] * 1000:.0f} ms | kvconnect/vLLM "
+        f"{ratios}"
     )
 
 

@@ -92,6 +92,39 @@ class DecodeBatch:
         return DecodeBatch(torch.tensor(starts, dtype=torch.long), rows, tables, mask)
 
 
+class Linear(nn.Linear):
+    """`nn.Linear` that, once `pack()`ed, multiplies through oneDNN with its weight reordered
+    for it (on CPU, float32). Torch's own CPU matmul goes through MKL, which takes a slow path
+    on AMD processors. Measured on this project's EPYC (AVX2) machines, SmolLM2's shapes:
+    the LM head at 16 rows 54 -> 17 ms, at 1 row 11.4 -> 6.0 ms; the MLP's up projection at 16
+    rows 2.1 -> 0.9 ms; decode at batch 16 56 -> 100 tok/s (`bench/vllm_cpu.py`). vLLM's CPU
+    backend prepacks its weights for oneDNN too. The weight itself stays (checkpoints, tied
+    embeddings), the packed copy beside it.
+    """
+
+    packed: torch.Tensor | None = None
+
+    def pack(self) -> None:
+        w = self.weight
+        if w.device.type != "cpu" or w.dtype != torch.float32 or not _HAS_ONEDNN:
+            return
+        try:
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), 16)
+        except RuntimeError:  # a build without the op's kernels: torch's own path
+            self.packed = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is None:
+            return F.linear(x, self.weight, self.bias)
+        out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(
+            x, self.packed, self.bias, "none", [], ""
+        )
+        return out
+
+
+_HAS_ONEDNN: bool = torch.backends.mkldnn.is_available()  # type: ignore[no-untyped-call]
+
+
 class LayerHooks(Protocol):
     """Called around each layer's attention (the worker's KV connector)."""
 
@@ -203,10 +236,10 @@ class Attention(nn.Module):
         self.head_dim = config.head_dim
         self.rope_theta = config.rope_theta
         hd, bias = config.head_dim, config.attention_bias
-        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * hd, bias=bias)
-        self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * hd, bias=bias)
-        self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * hd, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * hd, config.hidden_size, bias=False)
+        self.q_proj = Linear(config.hidden_size, self.num_heads * hd, bias=bias)
+        self.k_proj = Linear(config.hidden_size, self.num_kv_heads * hd, bias=bias)
+        self.v_proj = Linear(config.hidden_size, self.num_kv_heads * hd, bias=bias)
+        self.o_proj = Linear(self.num_heads * hd, config.hidden_size, bias=False)
 
     def forward(
         self,
@@ -239,9 +272,9 @@ class MLP(nn.Module):
         self.tp = tp
         self.all_reduce: AllReduce = dist_all_reduce
         inter = config.intermediate_size // tp
-        self.gate_proj = nn.Linear(config.hidden_size, inter, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, inter, bias=False)
-        self.down_proj = nn.Linear(inter, config.hidden_size, bias=False)
+        self.gate_proj = Linear(config.hidden_size, inter, bias=False)
+        self.up_proj = Linear(config.hidden_size, inter, bias=False)
+        self.down_proj = Linear(inter, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h: torch.Tensor = F.silu(self.gate_proj(x)) * self.up_proj(x)
@@ -296,9 +329,15 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.tp = tp
         self.model = _Backbone(config, tp)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def pack_weights(self) -> None:
+        """Reorder every projection's weight for oneDNN (`Linear`), once loaded."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.pack()
 
     def set_all_reduce(self, all_reduce: AllReduce) -> None:
         """Sum partial outputs across TP ranks with `all_reduce` (default: torch.distributed)."""

@@ -118,7 +118,9 @@ def load_model(
     else:
         assert source.path is not None
         _fill(llm, _safetensors_reader(source.path, config), rank, tp)
-    return llm.to(torch_dtype).eval(), tokenizer
+    llm = llm.to(torch_dtype).eval()
+    llm.pack_weights()
+    return llm, tokenizer
 
 
 def load_model_info(model: str) -> tuple[ModelConfig, Tokenizer]:

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from kvconnect.model.config import TINY, ModelConfig
-from kvconnect.model.llama import AttentionMetadata, LlamaForCausalLM, paged_attention
+from kvconnect.model.llama import AttentionMetadata, Linear, LlamaForCausalLM, paged_attention
 from kvconnect.model.loader import load_model, shard_dim, tiny_state_dict
 from kvconnect.tokenizer import ByteTokenizer
 
@@ -200,3 +200,27 @@ def test_byte_tokenizer_round_trip() -> None:
     tok = ByteTokenizer()
     assert tok.decode(tok.encode("héllo")) == "héllo"
     assert tok.decode([104, 105, tok.eos_token_id or 0]) == "hi"
+
+
+def test_packed_projections_compute_what_torchs_linear_computes() -> None:
+    """`Linear.pack()` (oneDNN, reordered weight) against `F.linear` on the same weight, for
+    a decode row, a decode batch and a prefill's worth of rows, with and without bias."""
+    torch.manual_seed(0)
+    for bias in (False, True):
+        layer = Linear(96, 160, bias=bias)
+        layer.pack()
+        assert layer.packed is not None or not torch.backends.mkldnn.is_available()
+        for rows in (1, 16, 300):
+            x = torch.randn(rows, 96)
+            expected = F.linear(x, layer.weight, layer.bias)
+            torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_loaded_float32_model_runs_packed_and_other_dtypes_do_not() -> None:
+    fp32, _ = load_model("tiny")
+    bf16, _ = load_model("tiny", dtype="bfloat16")
+    projections = [m for m in fp32.modules() if isinstance(m, Linear)]
+    assert len(projections) == 7 * TINY.num_hidden_layers + 1  # q k v o gate up down, head
+    if torch.backends.mkldnn.is_available():
+        assert all(m.packed is not None for m in projections)
+    assert all(m.packed is None for m in bf16.modules() if isinstance(m, Linear))
