@@ -359,6 +359,9 @@ class _Connection(asyncio.Protocol):
         """A deadline `seconds` from now. A timer already set (for an earlier deadline) stays
         and is moved on when it fires: keep-alive requests in a row cost a time stamp each."""
         self.deadline = self.loop.time() + seconds
+        if self.timer is not None and self.timer.when() > self.deadline:
+            self.timer.cancel()  # set for a later deadline (a body's may be the shorter)
+            self.timer = None
         if self.timer is None:
             self.timer = self.loop.call_at(self.deadline, self._expired)
 
@@ -418,11 +421,13 @@ class _Connection(asyncio.Protocol):
 
     async def _send(self, request: Request, response: Response) -> None:
         head = bytearray(
-            b"HTTP/1.1 %d %s\r\nContent-Type: %s\r\n"
-            % (response.status, _REASONS.get(response.status, b""), response.content_type.encode())
+            b"HTTP/1.1 %d %s\r\n" % (response.status, _REASONS.get(response.status, b""))
         )
-        for name, value in response.headers.items():
-            head += f"{name}: {value}\r\n".encode("latin-1")
+        # Values may come from an instance's answer: one with a line break is not passed on
+        # (it would add headers of its own to the client's response).
+        for name, value in (("Content-Type", response.content_type), *response.headers.items()):
+            if "\r" not in value and "\n" not in value:
+                head += f"{name}: {value}\r\n".encode("latin-1", "replace")
         if not request.keep_alive:
             head += b"Connection: close\r\n"
         head_only = request.method == "HEAD"

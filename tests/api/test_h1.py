@@ -36,6 +36,10 @@ class App:
             {"method": req.method, "path": req.path, "query": req.query, "body": req.body.decode()}
         )
 
+    async def split(self, _: Request) -> Response:
+        """Headers as an instance's answer could carry them, one with a line break in it."""
+        return Response(200, b"{}", headers={"X-Ok": "yes", "X-Evil": "a\r\nSet-Cookie: s=1"})
+
     async def fail(self, _: Request) -> Response:
         raise RuntimeError("a bug")
 
@@ -63,6 +67,7 @@ class App:
         return {
             "/echo": {"POST": self.echo, "GET": self.echo},
             "/fail": {"GET": self.fail},
+            "/split": {"GET": self.split},
             "/stream": {"GET": self.stream},
         }
 
@@ -385,6 +390,22 @@ def test_an_idle_connection_is_closed_at_the_header_deadline_and_a_slow_body_is_
                 assert read_response(kept, buf)[0] == 200
             assert closed_by_server(kept)
         wait_for(lambda: not server.open)
+
+
+def test_a_body_deadline_shorter_than_the_head_deadline_is_kept() -> None:
+    """The connection's timer was set for the head (30 s); the body's 0.3 s still holds (the
+    client's socket gives up after 10 s)."""
+    limits = ConnectionLimits(header_timeout=30, body_timeout=0.3)
+    with serving(limits) as (port, _, _), connect(port) as slow:
+        slow.sendall(b"POST /echo HTTP/1.1\r\nContent-Length: 10\r\n\r\nabc")
+        assert read_response(slow)[0] == 408
+
+
+def test_a_header_value_with_a_line_break_is_not_passed_on() -> None:
+    with serving() as (port, _, _):
+        status, headers, _ = exchange(port, b"GET /split HTTP/1.1\r\n\r\n")
+        assert status == 200 and headers["x-ok"] == "yes"
+        assert "x-evil" not in headers and "set-cookie" not in headers
 
 
 def test_connections_over_the_cap_get_a_503_and_are_closed() -> None:
