@@ -1,4 +1,5 @@
-"""The listening socket of every kvconnect HTTP server: a connection cap and a header deadline.
+"""The listening socket of `kvconnect serve` (aiohttp): a connection cap and a header deadline.
+The router's server (`api/h1.py`) keeps the same `ConnectionLimits` and 503 in its own loop.
 
 aiohttp bounds neither: 400 clients that send one byte a second keep 400 connections (and
 their buffers) open for as long as they like. Each accepted connection is wrapped here before
