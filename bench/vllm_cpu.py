@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Callable
 from typing import Any
 
 try:  # run as `python bench/vllm_cpu.py` (either venv): vllm_side sits beside it
@@ -40,26 +41,9 @@ def timed(fn: Any) -> float:
     return time.perf_counter() - t0
 
 
-def vllm_side_figures() -> dict[str, float]:
-    """Inside `.vllm/venv`: vLLM's figures."""
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
-
+def measure(run: Callable[[list[list[int]], int], Any]) -> dict[str, float]:
+    """The figures through `run(prompts, max_tokens)`, either engine's greedy generate."""
     w = workload()
-    llm = LLM(
-        model=str(vllm_side.VLLM_MODEL),
-        dtype="float32",
-        max_model_len=4096,
-        enforce_eager=True,
-        enable_prefix_caching=True,
-        seed=0,
-    )
-
-    def run(prompts: list[list[int]], max_tokens: int) -> Any:
-        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-        inputs = [TokensPrompt(prompt_token_ids=p) for p in prompts]
-        return llm.generate(inputs, params, use_tqdm=False)
-
     run([[1, 2, 3]], 2)  # warm up
     prefill = timed(lambda: run(w["prefill"], 1))
     decode = timed(lambda: run(w["decode"], 64))
@@ -75,28 +59,38 @@ def vllm_side_figures() -> dict[str, float]:
     }
 
 
+def vllm_side_figures() -> dict[str, float]:
+    """Inside `.vllm/venv`: vLLM's figures."""
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = LLM(
+        model=str(vllm_side.VLLM_MODEL),
+        dtype="float32",
+        max_model_len=4096,
+        enforce_eager=True,
+        enable_prefix_caching=True,
+        seed=0,
+    )
+
+    def run(prompts: list[list[int]], max_tokens: int) -> Any:
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        inputs = [TokensPrompt(prompt_token_ids=p) for p in prompts]
+        return llm.generate(inputs, params, use_tqdm=False)
+
+    return measure(run)
+
+
 def kvconnect_side() -> dict[str, float]:
     from kvconnect import LLM, SamplingParams
 
-    w = workload()
     with LLM("smollm2", num_kv_blocks=1024, max_num_batched_tokens=2048) as llm:
 
         def run(prompts: list[list[int]], max_tokens: int) -> Any:
-            return llm.generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+            params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+            return llm.generate(prompts, params)
 
-        run([[1, 2, 3]], 2)
-        prefill = timed(lambda: run(w["prefill"], 1))
-        decode = timed(lambda: run(w["decode"], 64))
-        decode1 = timed(lambda: run(w["decode"][:1], 64))
-        cold = timed(lambda: run([w["long"]], 1))
-        hit = timed(lambda: run([w["long"]], 1))
-    return {
-        "prefill": 8 * 512 / prefill,
-        "decode": 16 * 64 / decode,
-        "decode1": 64 / decode1,
-        "cold": cold,
-        "hit": hit,
-    }
+        return measure(run)
 
 
 def main() -> None:
