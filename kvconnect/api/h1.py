@@ -200,6 +200,8 @@ class _Connection(asyncio.Protocol):
         self.loop = asyncio.get_running_loop()  # once: each lookup is a getpid() syscall
         self.transport: asyncio.Transport | None = None
         self.buffer = bytearray()
+        self.scanned = 0
+        """Bytes of the buffer already searched for the end of a head."""
         self.request: Request | None = None
         """A request whose head has arrived and whose body is still coming."""
         self.length: int | None = 0
@@ -271,11 +273,16 @@ class _Connection(asyncio.Protocol):
         """Take the next request from the buffer when it is all there, and start it."""
         try:
             if self.request is None:
-                end = self.buffer.find(b"\r\n\r\n")
+                while self.buffer.startswith(b"\r\n"):  # empty lines before a request line
+                    del self.buffer[:2]
+                # A head arriving byte by byte is searched once, not once per byte.
+                end = self.buffer.find(b"\r\n\r\n", self.scanned)
                 if end > MAX_HEAD_BYTES or (end < 0 and len(self.buffer) > MAX_HEAD_BYTES):
                     raise BadRequest(f"request head over {MAX_HEAD_BYTES} bytes", 431)
                 if end < 0:
+                    self.scanned = max(0, len(self.buffer) - 3)
                     return
+                self.scanned = 0
                 request = parse_head(bytes(self.buffer[:end]))
                 del self.buffer[: end + 4]
                 self.length = body_length(request)

@@ -197,6 +197,16 @@ def test_a_body_arriving_byte_by_byte_and_a_head_split_anywhere_are_read_whole()
         assert json.loads(read_response(s)[2])["body"] == "hello"
 
 
+def test_empty_lines_before_a_request_line_are_skipped() -> None:
+    """As RFC 9112 asks (some clients end a POST body with an extra CRLF)."""
+    with serving() as (port, _, _), connect(port) as s:
+        buf = bytearray()
+        s.sendall(b"POST /echo HTTP/1.1\r\nContent-Length: 1\r\n\r\nx\r\n")
+        assert read_response(s, buf)[0] == 200
+        s.sendall(b"\r\nGET /echo HTTP/1.1\r\n\r\n")
+        assert json.loads(read_response(s, buf)[2])["method"] == "GET"
+
+
 def test_a_chunked_body_with_extensions_and_trailers_is_read_whole() -> None:
     chunked = b"5;ext=1\r\nhello\r\n6\r\n world\r\n0\r\nX-Trailer: yes\r\n\r\n"
     head = b"POST /echo HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n"
