@@ -30,6 +30,14 @@ from aiohttp.typedefs import Handler
 from kvconnect.api.protocol import ApiError
 
 OPEN_PATHS = frozenset({"/health"})
+UNAUTHORIZED = ApiError(
+    "a valid API key is required: Authorization: Bearer <key>",
+    status=401,
+    type_="invalid_request_error",
+    code="invalid_api_key",
+)
+"""What every refused request is answered (a 401, with UNAUTHORIZED_HEADERS), by both servers."""
+UNAUTHORIZED_HEADERS = {"WWW-Authenticate": "Bearer"}
 ADMIN_PATHS = frozenset({"/metrics", "/kv/score"})
 API_KEY_ENV = "KVCONNECT_API_KEY"
 VLLM_API_KEY_ENV = "VLLM_API_KEY"
@@ -106,15 +114,7 @@ class BearerAuth:
         async def authenticate(request: web.Request, handler: Handler) -> web.StreamResponse:
             if self.allows(request.path, request.headers.get("Authorization")):
                 return await handler(request)
-            error = ApiError(
-                "a valid API key is required: Authorization: Bearer <key>",
-                status=401,
-                type_="invalid_request_error",
-                code="invalid_api_key",
-            )
-            return web.json_response(
-                error.body(), status=401, headers={"WWW-Authenticate": "Bearer"}
-            )
+            return web.json_response(UNAUTHORIZED.body(), status=401, headers=UNAUTHORIZED_HEADERS)
 
         return authenticate
 
@@ -122,6 +122,8 @@ class BearerAuth:
 __all__ = [
     "ADMIN_PATHS",
     "OPEN_PATHS",
+    "UNAUTHORIZED",
+    "UNAUTHORIZED_HEADERS",
     "BearerAuth",
     "admin_token_from",
     "api_key_from",

@@ -46,9 +46,9 @@ from typing import Any, cast
 
 import msgspec
 
-from kvconnect.api.auth import BearerAuth
+from kvconnect.api.auth import UNAUTHORIZED, UNAUTHORIZED_HEADERS, BearerAuth
 from kvconnect.api.connections import BUSY_RESPONSE, ConnectionLimits
-from kvconnect.api.http import access_log
+from kvconnect.api.http import access_log, log_access
 from kvconnect.api.protocol import MAX_BODY_BYTES, ApiError
 
 logger = logging.getLogger(__name__)
@@ -184,12 +184,23 @@ def decoded(request: Request, body: bytes) -> bytes:
     raise BadRequest(f"the body does not decode (Content-Encoding: {coding})")
 
 
+def _head(response: Response, keep_alive: bool) -> bytearray:
+    """The status line and headers, without the framing headers and the blank line. Values
+    may come from an instance's answer: one with a line break is not passed on (it would add
+    headers of its own to the client's response)."""
+    head = bytearray(b"HTTP/1.1 %d %s\r\n" % (response.status, _REASONS.get(response.status, b"")))
+    for name, value in (("Content-Type", response.content_type), *response.headers.items()):
+        if "\r" not in value and "\n" not in value:
+            head += f"{name}: {value}\r\n".encode("latin-1", "replace")
+    if not keep_alive:
+        head += b"Connection: close\r\n"
+    return head
+
+
 def _error_bytes(status: int, message: str) -> bytes:
     body = msgspec.json.encode(ApiError(message, status=status).body())
-    return (
-        b"HTTP/1.1 %d %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\n"
-        b"Connection: close\r\n\r\n" % (status, _REASONS.get(status, b""), len(body))
-    ) + body
+    head = _head(Response(status), keep_alive=False)
+    return bytes(head + b"Content-Length: %d\r\n\r\n" % len(body)) + body
 
 
 class _Connection(asyncio.Protocol):
@@ -410,11 +421,7 @@ class _Connection(asyncio.Protocol):
             if response is not None and response.on_close is not None:
                 response.on_close()
             if access_log.isEnabledFor(logging.INFO):
-                where = f" -> {request.instance}" if request.instance else ""
-                elapsed = (time.monotonic() - start) * 1000
-                access_log.info(
-                    "%s %s %d %.1fms%s", request.method, request.path, status, elapsed, where
-                )
+                log_access(request.method, request.path, status, start, request.instance)
         self.task = None
         if not request.keep_alive:
             self._close()
@@ -427,16 +434,7 @@ class _Connection(asyncio.Protocol):
             self._next()
 
     async def _send(self, request: Request, response: Response) -> None:
-        head = bytearray(
-            b"HTTP/1.1 %d %s\r\n" % (response.status, _REASONS.get(response.status, b""))
-        )
-        # Values may come from an instance's answer: one with a line break is not passed on
-        # (it would add headers of its own to the client's response).
-        for name, value in (("Content-Type", response.content_type), *response.headers.items()):
-            if "\r" not in value and "\n" not in value:
-                head += f"{name}: {value}\r\n".encode("latin-1", "replace")
-        if not request.keep_alive:
-            head += b"Connection: close\r\n"
+        head = _head(response, request.keep_alive)
         head_only = request.method == "HEAD"
         if response.stream is None:
             head += b"Content-Length: %d\r\n\r\n" % len(response.body)
@@ -492,12 +490,7 @@ class H1Server:
         if self.auth is not None and not self.auth.allows(
             request.path, request.headers.get("authorization")
         ):
-            error = ApiError(
-                "a valid API key is required: Authorization: Bearer <key>",
-                status=401,
-                code="invalid_api_key",
-            )
-            return error_response(error, {"WWW-Authenticate": "Bearer"})
+            return error_response(UNAUTHORIZED, UNAUTHORIZED_HEADERS)
         methods = self.routes.get(request.path)
         if methods is None:
             return error_response(ApiError(f"no route for {request.path}", status=404))

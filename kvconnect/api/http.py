@@ -86,11 +86,15 @@ async def access_and_errors(request: web.Request, handler: Handler) -> web.Strea
 
 
 def _log_access(request: web.Request, status: int, start: float) -> None:
-    where = request.get("instance")
+    log_access(request.method, request.path, status, start, request.get("instance"))
+
+
+def log_access(method: str, path: str, status: int, start: float, where: str | None) -> None:
+    """The access-log line of both servers; `start` from `time.monotonic()`."""
     access_log.info(
         "%s %s %d %.1fms%s",
-        request.method,
-        request.path,
+        method,
+        path,
         status,
         (time.monotonic() - start) * 1000,
         f" -> {where}" if where else "",

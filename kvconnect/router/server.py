@@ -95,21 +95,25 @@ def _none_in_rotation() -> Response:
     )
 
 
-def _counted(release: Callable[[], None], in_flight: Counter[str], name: str) -> Callable[[], None]:
+def _counted(
+    release: Callable[[], None] | None, in_flight: Counter[str], name: str
+) -> Callable[[], None]:
+    """`release` (if any), then the instance's request no longer in flight."""
+
     def done() -> None:
-        release()
+        if release is not None:
+            release()
         in_flight[name] -= 1
 
     return done
 
 
 class RouterServer:
-    """The request handlers over one `Router`; `start()` opens the upstream pool, the client
-    session and the health checks, `close()` closes them and the router."""
+    """The request handlers over one `Router`; `start()` starts the health checks, `close()`
+    stops them and closes the upstream pool and the router."""
 
     def __init__(self, router: Router, options: RouterOptions) -> None:
         self.router = router
-        self.options = options
         self.metrics = RouterMetrics(router)
         key = options.instance_api_key
         self._instance_auth = f"Bearer {key}" if key is not None else None
@@ -190,10 +194,8 @@ class RouterServer:
                 logger.warning("router: %s unreachable (%s); trying another", instance.name, e)
                 router.mark_down(instance.name, f"forward failed: {e}")
                 continue
-            if response.on_close is None:
-                in_flight[instance.name] -= 1
-            else:  # a stream: in flight until it is sent, cut or abandoned
-                response.on_close = _counted(response.on_close, in_flight, instance.name)
+            # In flight until the answer is sent, cut or abandoned (a stream's takes a while).
+            response.on_close = _counted(response.on_close, in_flight, instance.name)
             return response
 
     async def completions(self, http: Request) -> Response:
