@@ -172,11 +172,14 @@ def _sample_random(
     logits: torch.Tensor, batch: SamplingBatch, rows: torch.Tensor, greedy: torch.Tensor
 ) -> torch.Tensor:
     """Tokens of the random `rows` (their `logits`); a row whose probabilities overflow at its
-    temperature takes its `greedy` token."""
+    temperature, or keep no mass after the cuts, takes its `greedy` token (multinomial would
+    raise, and one request's extreme values would fail the whole step)."""
     probs, finite = random_probs(logits, batch, rows)
+    mass = probs.sum(dim=-1)
+    drawable = (torch.isfinite(mass) & (mass > 0)).tolist()
     out = greedy.clone()
     for j, (i, ok) in enumerate(zip(rows.tolist(), finite, strict=True)):
-        if ok:  # one draw per row: each has its own generator
+        if ok and drawable[j]:  # one draw per row: each has its own generator
             gen = torch.Generator().manual_seed(batch.seeds[i])
             out[j] = torch.multinomial(probs[j], 1, generator=gen)[0]
     return out
@@ -217,8 +220,10 @@ def _cut_top_k_top_p(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tens
     while True:
         head_probs, order = rows.topk(head, dim=-1)
         keep = torch.arange(head) < k
-        # A token stays while the mass before it is below top_p (so the first always stays).
+        # A token stays while the mass before it is below top_p; the most likely one always
+        # stays (as in vLLM), even where top_p is 0 in float32 (a subnormal top_p, 1e-320).
         keep &= (head_probs.cumsum(dim=-1) - head_probs) < top_p
+        keep[:, 0] = True
         if head == vocab or not bool((keep[:, -1] & (k[:, 0] > head)).any()):
             break
         head = min(vocab, head * 4)  # a row keeps its whole head: its cut lies beyond

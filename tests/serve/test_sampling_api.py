@@ -12,14 +12,18 @@ from __future__ import annotations
 
 import json
 import re
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import jsonschema
 import openai
 import pytest
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
 
 from kvconnect.tokenizer import BYTE_EOS
-from tests.serving import RouterProcess, Serve
+from tests.engine.test_sampler_extremes import controls
+from tests.serving import RouterProcess, Serve, get, post
 
 pytestmark = pytest.mark.slow
 
@@ -155,6 +159,41 @@ def test_the_largest_seed_samples_and_repeats_itself(client: openai.OpenAI) -> N
     first = tokens(client, max_tokens=6, temperature=1.0, seed=top, extra_body={"n": 2})
     assert first == tokens(client, max_tokens=6, temperature=1.0, seed=top, extra_body={"n": 2})
     assert first != tokens(client, max_tokens=6, temperature=1.0, seed=top - 1)
+
+
+def api_body(fields: dict[str, Any]) -> dict[str, Any]:
+    """The sampler-level test's controls as a completions body (logit_bias keys are strings
+    in the API; its token-id bad words have no API form)."""
+    body = {k: v for k, v in fields.items() if k != "bad_words_token_ids"}
+    if "logit_bias" in body:
+        body["logit_bias"] = {str(t): b for t, b in body["logit_bias"].items()}
+    return {"model": "tiny", "prompt": PROMPT, "max_tokens": 3, **body}
+
+
+def send_together(url: str, bodies: list[dict[str, Any]]) -> list[tuple[int, Any]]:
+    """The bodies sent at once (so the engine batches them), each answer's status and body;
+    json.dumps writes NaN and Infinity, as a careless client would."""
+    with ThreadPoolExecutor(len(bodies)) as pool:
+        answers = pool.map(lambda b: post(url + "/v1/completions", b)[:2], bodies)
+        return list(answers)
+
+
+@example(requests=[{"temperature": 1.0, "top_p": 1e-320}])  # issue 35: it killed the instance
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+@given(requests=st.lists(controls, min_size=1, max_size=6))
+def test_extreme_sampling_values_get_an_answer_or_a_400_and_serve_stays_up(
+    served: tuple[Serve, RouterProcess], requests: list[dict[str, Any]]
+) -> None:
+    url = served[0].url
+    for (status, body), fields in zip(
+        send_together(url, [api_body(f) for f in requests]), requests, strict=True
+    ):
+        assert status in (200, 400), (fields, status, body)
+        if status == 200:
+            assert len(body["choices"][0]["text"]) >= 0 and body["usage"]["completion_tokens"]
+        else:
+            assert body["error"]["message"], body
+    assert get(url + "/health")[0] == 200
 
 
 def test_bad_words_are_never_generated(client: openai.OpenAI) -> None:
