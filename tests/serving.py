@@ -33,6 +33,8 @@ class Process:
         self.ready_marker = "ready at"
         self.seen: list[str] = []
         """stdout up to the ready line."""
+        self.launcher = [sys.executable, "-m", "kvconnect.cli"]
+        """How the command is run: this venv's kvconnect, unless a test installed another."""
 
     def start(self, timeout: float = READY_TIMEOUT_S) -> str:
         """Start (or start again, after a kill) and wait for the ready line. A first start
@@ -63,7 +65,7 @@ class Process:
         self.lines = queue.SimpleQueue()
         with open(self.log, "a") as err:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "kvconnect.cli", *self.command()],
+                [*self.launcher, *self.command()],
                 stdout=subprocess.PIPE,
                 stderr=err,
                 text=True,

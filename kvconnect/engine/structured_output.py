@@ -142,7 +142,14 @@ class GrammarCompiler:
         return Grammar(xgr.GrammarMatcher(self.compile(params)), self.vocab_size)
 
     def _compile(self, params: StructuredOutputsParams) -> xgr.CompiledGrammar:
-        compiler = self._xgrammar()
+        try:
+            compiler = self._xgrammar()
+        except ImportError as e:  # an install without it: the request's 400, not a 500
+            raise ValueError(
+                f"structured_outputs.{params.field}: structured output needs the xgrammar "
+                f"package, which this installation lacks ({e}); install kvconnect with its "
+                "dependencies (pip install kvconnect) or xgrammar==0.2.8"
+            ) from None
         try:
             if params.json is not None:
                 json.loads(params.json)
