@@ -32,6 +32,7 @@ class Cluster(Process):
         return any("Address already in use" in text for text in [self.logs(), *logs])
 
 
+@pytest.mark.realmodel
 def test_make_run_answers_the_openai_client_and_stops_on_ctrl_c(tmp_path: Path) -> None:
     cluster = Cluster(tmp_path)
     cluster.start()

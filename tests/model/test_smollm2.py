@@ -16,7 +16,7 @@ from kvconnect.model_source import resolve_model
 from kvconnect.tokenizer import load_tokenizer
 from tests.model.test_llama import run_paged
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.realmodel]
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 ANSWER = [504, 3575, 282, 4649, 314, 7042, 30, 2]  # "The capital of France is Paris." <|im_end|>

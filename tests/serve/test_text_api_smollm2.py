@@ -14,7 +14,7 @@ import pytest
 
 from tests.serving import Serve, post
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.realmodel]
 
 PROMPT = "One, two, three,"
 GREEDY: dict[str, Any] = {"model": "smollm2", "temperature": 0, "max_tokens": 6}
