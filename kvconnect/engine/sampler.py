@@ -361,7 +361,8 @@ class Sampler:
         states = [self._requests.get(s.request_id) for s in reqs]
         batch = SamplingBatch(
             temperature=torch.tensor([s.temperature for s in reqs]),
-            top_k=torch.tensor([s.top_k for s in reqs], dtype=torch.long),
+            # A top_k past the vocabulary is no limit (as 0 is): 2**63 fits no long tensor.
+            top_k=torch.tensor([s.top_k if s.top_k < self.vocab_size else 0 for s in reqs]),
             top_p=torch.tensor([s.top_p for s in reqs]),
             min_p=torch.tensor([st.options.min_p if st else 0.0 for st in states]),
             seeds=[(s.seed * SEED_STRIDE + s.num_output_tokens) % 2**64 for s in reqs],

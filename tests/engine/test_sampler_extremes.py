@@ -67,6 +67,7 @@ def admitted(fields: dict[str, Any]) -> SamplingParams | None:
 
 # The crash of issue 35 exactly: top_p 1e-320 is 0 in float32, and the cut kept no token.
 @example(requests=[{"temperature": 1.0, "top_p": 1e-320}], scale=1.0, seed=0)
+@example(requests=[{"temperature": 1.0, "top_k": 2**63}], scale=1.0, seed=0)  # a long overflows
 @example(requests=[{"temperature": 1.0, "top_p": 1.4e-45, "min_p": 1.0}], scale=1e38, seed=1)
 @example(requests=[{"temperature": 100.0, "logit_bias": BIAS_ALL}], scale=1.0, seed=2)
 @example(

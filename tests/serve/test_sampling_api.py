@@ -179,6 +179,7 @@ def send_together(url: str, bodies: list[dict[str, Any]]) -> list[tuple[int, Any
 
 
 @example(requests=[{"temperature": 1.0, "top_p": 1e-320}])  # issue 35: it killed the instance
+@example(requests=[{"temperature": 1.0, "top_k": 2**63}])  # so did this (a long overflows)
 @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
 @given(requests=st.lists(controls, min_size=1, max_size=6))
 def test_extreme_sampling_values_get_an_answer_or_a_400_and_serve_stays_up(
