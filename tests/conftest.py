@@ -166,15 +166,20 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
             return True
 
         def _assign_work_unit(self, node: Any) -> None:
-            """The first unit `node` may take now, if any (else it waits: every completed
-            test reschedules every node)."""
+            """The first units `node` may take now, until it holds two tests, if any (else it
+            waits: every completed test reschedules every node). Two: a worker runs a test
+            only once it holds the next (pytest's `nextitem`), so a worker given one test of
+            one unit sat idle until some other test ended (15-20 s behind a fuzz test)."""
             assigned = self.assigned_work.setdefault(node, {})
-            scope = next((unit for unit in self.workqueue if self._allowed(unit, node)), None)
-            if scope is None:
-                return
-            assigned[scope] = work = self.workqueue.pop(scope)
-            collection = self.registered_collections[node]
-            node.send_runtest_some([collection.index(n) for n, done in work.items() if not done])
+            while self._pending_of(assigned) < 2:
+                scope = next((u for u in self.workqueue if self._allowed(u, node)), None)
+                if scope is None:
+                    return
+                assigned[scope] = work = self.workqueue.pop(scope)
+                collection = self.registered_collections[node]
+                node.send_runtest_some(
+                    [collection.index(n) for n, done in work.items() if not done]
+                )
 
         def mark_test_complete(self, node: Any, item_index: int, duration: float = 0) -> None:
             super().mark_test_complete(node, item_index, duration)
