@@ -101,7 +101,7 @@ def transformers_forward_seconds(prompt: list[int]) -> float:
     """transformers' own forward over the same tokens, from the same GGUF (the limit)."""
     from transformers import AutoModelForCausalLM
 
-    from kvconnect.model_source import resolve_model
+    from kvconnect.model.source import resolve_model
 
     path = resolve_model("smollm2").path
     assert path is not None

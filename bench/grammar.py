@@ -22,7 +22,7 @@ from kvconnect.engine.structured_output import (
     StructuredOutputsParams,
     grammar_bitmask,
 )
-from kvconnect.tokenizer import load_tokenizer
+from kvconnect.model.tokenizer import load_tokenizer
 
 BATCH = 16
 SCHEMA = {

@@ -19,7 +19,11 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "kvconnect"
 DOC = ROOT / "docs" / "architecture.md"
 
-VOCABULARY = {"config", "hashing", "events", "messages", "gguf_file", "model_source", "tokenizer"}
+VOCABULARY = {"config", "hashing", "events", "messages"}
+MODEL_TORCH_FREE = {"model.source", "model.gguf_file", "model.tokenizer"}
+"""What `--model` names, its file and its tokenizer: the part of `model/` the router imports."""
+BASE = VOCABULARY | MODEL_TORCH_FREE
+"""Modules that import nothing from the package but each other."""
 ENGINE_MAY_IMPORT_FROM_CONNECTOR = {
     "connector",  # the package itself re-exports base and registry only
     "connector.base",
@@ -110,10 +114,23 @@ def test_every_module_has_one_row_and_its_imports_are_the_codes() -> None:
     assert wrong == {}, "rows whose imports differ: name: (doc, code)"
 
 
-def test_vocabulary_imports_only_vocabulary() -> None:
+def third_party_imports(path: Path) -> set[str]:
+    """The top-level names of what `path` imports from outside kvconnect (lazy imports too)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(a.name.split(".")[0] for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module.split(".")[0])
+    found.discard("kvconnect")
+    return found
+
+
+def test_vocabulary_and_the_models_torch_free_half_import_only_each_other() -> None:
     code = code_modules()
-    for name in VOCABULARY:
-        assert code[name] <= VOCABULARY, (name, code[name])
+    for name in BASE:
+        assert code[name] <= BASE, (name, code[name])
+    assert "model" not in code, "model/__init__.py must stay a docstring: the router imports model/"
 
 
 def test_engine_knows_connectors_through_four_modules() -> None:
@@ -128,14 +145,37 @@ def test_only_the_vllm_package_imports_vllm() -> None:
         assert "vLLM" not in imports or name.startswith("vllm."), name
 
 
-def test_router_imports_the_vocabulary_stream_and_api_only() -> None:
-    allowed_roots = {"router", "stream", "api", "__init__"}  # the root: its version, nothing heavy
+def test_router_imports_the_vocabulary_stream_api_and_http_only() -> None:
+    allowed_roots = {"router", "stream", "api", "http", "__init__"}  # the root: its version
     for name, imports in code_modules().items():
         if name.startswith("router."):
-            outside = {
-                i for i in imports if i not in VOCABULARY and i.split(".")[0] not in allowed_roots
-            }
+            outside = {i for i in imports if i not in BASE and i.split(".")[0] not in allowed_roots}
             assert outside == set(), (name, outside)
+
+
+def test_api_is_the_protocol_only() -> None:
+    for name, imports in code_modules().items():
+        if name.startswith("api."):
+            outside = {i for i in imports if i.split(".")[0] != "api"}
+            assert outside == set(), (name, outside)
+
+
+def test_http_imports_only_itself_and_the_protocols_error_body() -> None:
+    for name, imports in code_modules().items():
+        if name.startswith("http."):
+            outside = {i for i in imports if i.split(".")[0] != "http"}
+            assert outside <= {"api.protocol"}, (name, outside)
+
+
+def test_what_the_router_imports_imports_no_torch() -> None:
+    roots = ("api.", "http.", "router.")
+    checked = 0
+    for path in sorted(PACKAGE.rglob("*.py")):
+        name = module_name(path)
+        if name.startswith(roots) or name in BASE:
+            assert "torch" not in third_party_imports(path), name
+            checked += 1
+    assert checked >= len(BASE) + 3
 
 
 def test_the_subscriber_never_imports_the_publisher() -> None:

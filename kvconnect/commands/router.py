@@ -10,15 +10,15 @@ import os
 from collections.abc import Coroutine
 from typing import Any
 
-from kvconnect.api.auth import admin_token_from, api_key_from, instance_api_key_from
-from kvconnect.api.connections import ConnectionLimits
 from kvconnect.commands.events import curve_from_env
 from kvconnect.commands.startup import check_port_free
 from kvconnect.events import tier_of
+from kvconnect.http.auth import admin_token_from, api_key_from, instance_api_key_from
+from kvconnect.http.limits import ConnectionLimits
+from kvconnect.model.tokenizer import load_tokenizer
 from kvconnect.router.core import Instance, Router
 from kvconnect.router.index import DEFAULT_TIER_WEIGHTS, BlockIndex
 from kvconnect.router.server import RouterOptions, serve_router
-from kvconnect.tokenizer import load_tokenizer
 
 
 def parse_tier_weights(text: str) -> dict[str, float]:

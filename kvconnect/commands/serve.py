@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import argparse
 
-from kvconnect.api.auth import admin_token_from, api_key_from
-from kvconnect.api.connections import ConnectionLimits
 from kvconnect.commands.startup import (
     check_events_ports,
     check_port_free,
@@ -13,6 +11,8 @@ from kvconnect.commands.startup import (
     transfer_config,
 )
 from kvconnect.engine.llm import LLM
+from kvconnect.http.auth import admin_token_from, api_key_from
+from kvconnect.http.limits import ConnectionLimits
 from kvconnect.serve.server import ServeOptions, serve
 
 

@@ -87,7 +87,7 @@ class KVConnectorContext:
     """Model identity, part of any storage key shared across instances."""
     model_fingerprint: str = ""
     """What else tells this model's KV apart from another's under the same name: the weights'
-    identity, their config and dtype, the KV layout (see `model_source.weights_identity`);
+    identity, their config and dtype, the KV layout (see `model.source.weights_identity`);
     part of storage keys with the name."""
     hash_algorithm: str = DEFAULT_ALGORITHM
     """Block hash algorithm (see `kvconnect.hashing`)."""

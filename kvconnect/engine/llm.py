@@ -46,8 +46,8 @@ from kvconnect.engine.worker import WorkerConfig
 from kvconnect.hashing import DEFAULT_ALGORITHM
 from kvconnect.messages import SchedulerOutput
 from kvconnect.model.loader import load_model_info
+from kvconnect.model.tokenizer import Message, Tokenizer
 from kvconnect.stream.publisher import EventPublisher, EventPublisherFactory
-from kvconnect.tokenizer import Message, Tokenizer
 
 logger = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from kvconnect.engine.request import CompletionOutput, Request, RequestOutput
 from kvconnect.messages import PositionLogprobs, PromptLogprobs
-from kvconnect.tokenizer import Tokenizer
+from kvconnect.model.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,7 +10,7 @@ from typing import Any
 from kvconnect.engine.structured_output import Grammar, StructuredOutputsParams
 from kvconnect.hashing import DEFAULT_ALGORITHM, ExtraKeys, RequestBlockHasher, to_event
 from kvconnect.messages import PositionLogprobs, SamplingOptions
-from kvconnect.tokenizer import Tokenizer
+from kvconnect.model.tokenizer import Tokenizer
 
 SAMPLING_EPS = 1e-5
 """Temperatures below this are greedy (vLLM's `_SAMPLING_EPS`)."""

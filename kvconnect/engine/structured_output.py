@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvconnect.messages import GrammarBitmask
-from kvconnect.tokenizer import Tokenizer
+from kvconnect.model.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     import xgrammar as xgr

@@ -39,7 +39,7 @@ from kvconnect.messages import (
 )
 from kvconnect.model.llama import AttentionMetadata, LayerHooks
 from kvconnect.model.loader import load_model
-from kvconnect.model_source import weights_identity
+from kvconnect.model.source import weights_identity
 
 
 @dataclass(frozen=True)

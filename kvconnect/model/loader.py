@@ -1,6 +1,6 @@
 """Building a rank's model shard: the built-in `tiny` model, a GGUF file (`smollm2` is one,
-see `model/gguf.py`) or a Hugging Face checkpoint (config.json, *.safetensors, tokenizer.json;
-Llama or Qwen2). Each rank keeps only its slice of each sharded tensor:
+see `model/gguf_weights.py`) or a Hugging Face checkpoint (config.json, *.safetensors,
+tokenizer.json; Llama or Qwen2). Each rank keeps only its slice of each sharded tensor:
 
     q/k/v_proj (+bias), gate/up_proj   rows     [rank * n/tp, (rank+1) * n/tp)
     o_proj, down_proj                   columns  [rank * n/tp, (rank+1) * n/tp)
@@ -18,10 +18,10 @@ import torch
 from torch import nn
 
 from kvconnect.model.config import TINY, ModelConfig
-from kvconnect.model.gguf import GGUFWeights
+from kvconnect.model.gguf_weights import GGUFWeights
 from kvconnect.model.llama import LlamaForCausalLM
-from kvconnect.model_source import ModelKind, gguf_metadata, gguf_tensor_names, resolve_model
-from kvconnect.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
+from kvconnect.model.source import ModelKind, gguf_metadata, gguf_tensor_names, resolve_model
+from kvconnect.model.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 
 _ROW_SHARDED = (
     "q_proj.weight",
@@ -97,7 +97,7 @@ def load_model(
     model: str, rank: int = 0, tp: int = 1, dtype: str = "float32", seed: int = 0
 ) -> tuple[LlamaForCausalLM, Tokenizer]:
     """Rank `rank`'s shard of `model` ("tiny", "smollm2", a .gguf file or a checkpoint
-    directory, see `model_source`) and its tokenizer."""
+    directory, see `model.source`) and its tokenizer."""
     torch_dtype = _resolve_dtype(dtype)
     config, tokenizer = load_model_info(model)
     config.check_tensor_parallel(tp)

@@ -23,12 +23,12 @@ from dataclasses import dataclass
 import msgspec
 
 from kvconnect.api.protocol import ApiError, ChatCompletionRequest, CompletionRequest
+from kvconnect.model.tokenizer import ChatTemplateError, Tokenizer
 from kvconnect.router.health import HealthChecker
 from kvconnect.router.index import BlockIndex, PrefixScore
 from kvconnect.router.scorer import DEFAULT_LOAD_WEIGHT, choose, spread_key
 from kvconnect.stream.curve import CurveClientKeys
 from kvconnect.stream.subscriber import KVEventSubscriber, ReceivedBatch, StreamSnapshot
-from kvconnect.tokenizer import ChatTemplateError, Tokenizer
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """The relay: one request to the chosen instance, its answer (streamed or not) back.
 
-Before the answer begins, a refused or failed connection is `upstream.Unreachable` and the
+Before the answer begins, a refused or failed connection is `http.client.Unreachable` and the
 request may go to another instance; once it has begun, nothing can move it: an instance dying
 mid-answer cuts the answer short (logged), a client going away just ends the relay (its task
 is cancelled and the upstream connection closed, so that the instance aborts the request
@@ -14,15 +14,15 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator
 
-from kvconnect.api.h1 import Request, Response
-from kvconnect.router.core import Instance, Router, StaleCheck
-from kvconnect.router.index import PrefixScore
-from kvconnect.router.upstream import (
+from kvconnect.http.client import (
     UpstreamBroken,
     UpstreamPool,
     UpstreamResponse,
     UpstreamTimeout,
 )
+from kvconnect.http.h1_server import Request, Response
+from kvconnect.router.core import Instance, Router, StaleCheck
+from kvconnect.router.index import PrefixScore
 
 logger = logging.getLogger(__name__)
 

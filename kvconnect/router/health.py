@@ -18,7 +18,7 @@ import logging
 import time
 from dataclasses import dataclass
 
-from kvconnect.router.upstream import Unreachable, UpstreamBroken, UpstreamPool
+from kvconnect.http.client import Unreachable, UpstreamBroken, UpstreamPool
 
 logger = logging.getLogger(__name__)
 

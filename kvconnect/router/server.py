@@ -13,7 +13,7 @@
     GET  /health                 each instance's state; 503 when none is in rotation
     GET  /metrics                Prometheus: decisions, hits per tier, index, streams, health
 
-Authentication (`api/auth.py`): with `api_key` every path but /health needs the client's
+Authentication (`http/auth.py`): with `api_key` every path but /health needs the client's
 `Authorization: Bearer`; /kv/score and /metrics need `admin_token` when one is set. Towards the
 instances the client's Authorization is forwarded unchanged (as llm-d's gateway and
 sglang's router do: one key works end to end, and instances with their own `--api-key` check
@@ -23,9 +23,9 @@ never see.
 
 Backends are any OpenAI-compatible servers (`kvconnect serve`, `vllm serve`) that publish KV
 events. The state (`core.Router`) is started by the caller; `RouterFront` serves the routes
-through `api/h1.py`'s server (aiohttp's cost the relay a third of its CPU: that module says
-why) and owns the upstream pool (`upstream.py`: the relays, /v1/models, the health checks)
-and the checks themselves (`health.py`) for its lifetime. This module never
+through `http/h1_server.py`'s server (aiohttp's cost the relay a third of its CPU: that module
+says why) and owns the upstream pool (`http/client.py`: the relays, /v1/models, the health
+checks) and the checks themselves (`health.py`) for its lifetime. This module never
 imports torch.
 """
 
@@ -43,25 +43,32 @@ from dataclasses import dataclass, field
 import msgspec
 
 from kvconnect import __version__
-from kvconnect.api.auth import BearerAuth
-from kvconnect.api.connections import ConnectionLimits
-from kvconnect.api.h1 import H1Server, Handler, Request, Response, error_response, json_response
 from kvconnect.api.protocol import (
     ApiError,
     ChatCompletionRequest,
     CompletionRequest,
     parse,
 )
-from kvconnect.router.core import Router, stale_check
-from kvconnect.router.forward import forward
-from kvconnect.router.metrics import RouterMetrics
-from kvconnect.router.upstream import (
+from kvconnect.http.auth import BearerAuth
+from kvconnect.http.client import (
     READ_TIMEOUT_S,
     Unreachable,
     UpstreamBroken,
     UpstreamPool,
     UpstreamTimeout,
 )
+from kvconnect.http.h1_server import (
+    H1Server,
+    Handler,
+    Request,
+    Response,
+    error_response,
+    json_response,
+)
+from kvconnect.http.limits import ConnectionLimits
+from kvconnect.router.core import Router, stale_check
+from kvconnect.router.forward import forward
+from kvconnect.router.metrics import RouterMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +85,7 @@ class RouterOptions:
     instance_api_key: str | None = field(default=None, repr=False)
     """Presented to the instances in place of the client's Authorization."""
     upstream_timeout: float = READ_TIMEOUT_S
-    """Seconds an instance that took a request may stay silent (`upstream.py`)."""
+    """Seconds an instance that took a request may stay silent (`http/client.py`)."""
     limits: ConnectionLimits = field(default_factory=ConnectionLimits)
 
     def __post_init__(self) -> None:

@@ -19,10 +19,10 @@ from typing import Any
 
 from aiohttp import web
 
-from kvconnect.api.http import error_response
 from kvconnect.api.protocol import ApiError
 from kvconnect.api.responses import DONE, Envelope, Usage, sse
 from kvconnect.engine.request import Request
+from kvconnect.http.aiohttp_app import error_response
 from kvconnect.messages import PositionLogprobs
 from kvconnect.serve.engine_loop import Failed, Job, Update
 from kvconnect.serve.logprobs import (

@@ -26,7 +26,7 @@ from functools import lru_cache
 from typing import Any
 
 from kvconnect.messages import PositionLogprobs
-from kvconnect.tokenizer import HFTokenizer, Tokenizer
+from kvconnect.model.tokenizer import HFTokenizer, Tokenizer
 
 FLOOR = -9999.0
 """The lowest logprob written: vLLM's (and OpenAI's) stand-in for -inf."""

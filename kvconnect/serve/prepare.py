@@ -26,8 +26,8 @@ from kvconnect.api.structured import GrammarSpec
 from kvconnect.engine.llm import EngineInfo
 from kvconnect.engine.request import SamplingParams, bad_words_token_ids
 from kvconnect.engine.structured_output import StructuredOutputsParams
+from kvconnect.model.tokenizer import ChatTemplateError, Tokenizer
 from kvconnect.serve.engine_loop import Job
-from kvconnect.tokenizer import ChatTemplateError, Tokenizer
 
 GenerateRequest = CompletionRequest | ChatCompletionRequest
 

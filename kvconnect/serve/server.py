@@ -29,12 +29,12 @@ runs on its own thread (`engine_loop.py`), and the server knows it only through 
 one line and exits with status 1, so that a supervisor restarts it. Binds 127.0.0.1 unless
 told otherwise; one access log line per request.
 
-Trust (`ServeOptions`): the listener (`api/connections.py`) caps connections and gives request
-heads and bodies deadlines; `api/auth.py` checks the Bearer key when one is set; a client that
-goes away cancels its handler, whose `finally` aborts its engine requests; `admission.py`
-refuses work beyond the waiting limits with a 503 before anything reaches the engine; a
-deadline (`request_timeout`) aborts a generation with a 504; cached prompt tokens are told only
-with `enable_prompt_tokens_details`.
+Trust (`ServeOptions`): the listener (`http/aiohttp_listener.py`) caps connections and gives
+request heads and bodies deadlines; `http/auth.py` checks the Bearer key when one is set; a
+client that goes away cancels its handler, whose `finally` aborts its engine requests;
+`admission.py` refuses work beyond the waiting limits with a 503 before anything reaches the
+engine; a deadline (`request_timeout`) aborts a generation with a 504; cached prompt tokens are
+told only with `enable_prompt_tokens_details`.
 """
 
 from __future__ import annotations
@@ -48,9 +48,6 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from kvconnect import __version__
-from kvconnect.api.auth import BearerAuth
-from kvconnect.api.connections import ConnectionLimits, Listener
-from kvconnect.api.http import access_and_errors, error_response, read_body
 from kvconnect.api.protocol import (
     MAX_BODY_BYTES,
     ApiError,
@@ -62,6 +59,10 @@ from kvconnect.api.responses import Envelope, Usage
 from kvconnect.api.tokenize import DetokenizeRequest, parse_tokenize
 from kvconnect.engine.llm import LLM
 from kvconnect.engine.request import Request
+from kvconnect.http.aiohttp_app import access_and_errors, error_response, read_body
+from kvconnect.http.aiohttp_listener import Listener
+from kvconnect.http.auth import BearerAuth
+from kvconnect.http.limits import ConnectionLimits
 from kvconnect.serve.admission import RETRY_AFTER_S, Admission
 from kvconnect.serve.answers import Answer, Shown, failure
 from kvconnect.serve.engine_loop import EngineLoop, Failed, Job

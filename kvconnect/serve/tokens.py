@@ -16,8 +16,8 @@ import msgspec
 from kvconnect.api.protocol import ApiError
 from kvconnect.api.tokenize import TokenizeChatRequest, TokenizeCompletionRequest
 from kvconnect.engine.llm import EngineInfo
+from kvconnect.model.tokenizer import BYTE_BOS, BYTE_EOS, ByteTokenizer, HFTokenizer, Tokenizer
 from kvconnect.serve.prepare import render
-from kvconnect.tokenizer import BYTE_BOS, BYTE_EOS, ByteTokenizer, HFTokenizer, Tokenizer
 
 
 def tokenize_body(info: EngineInfo, req: TokenizeCompletionRequest | TokenizeChatRequest) -> bytes:

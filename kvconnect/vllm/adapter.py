@@ -53,7 +53,7 @@ from kvconnect.messages import (
     ScheduledRequest,
     SchedulerOutput,
 )
-from kvconnect.model_source import weights_identity
+from kvconnect.model.source import weights_identity
 
 logger = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ import pytest
 
 from kvconnect.api.protocol import ApiError, ChatCompletionRequest, CompletionRequest, parse
 from kvconnect.api.structured import MAX_SCHEMA_DEPTH, GrammarSpec
-from kvconnect.tokenizer import ByteTokenizer, render_chat
+from kvconnect.model.tokenizer import ByteTokenizer, render_chat
 
 HI = [{"role": "user", "content": "hi"}]
 POINT = {

@@ -26,8 +26,8 @@ from kvconnect.events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvconnect.hashing import to_wire
 from kvconnect.model.config import TINY
 from kvconnect.model.loader import tiny_state_dict
+from kvconnect.model.tokenizer import BYTE_EOS
 from kvconnect.stream.subscriber import KVEventSubscriber, ReceivedBatch
-from kvconnect.tokenizer import BYTE_EOS
 from tests.connector.helpers import MODULE
 from tests.helpers import listening_sockets, read_through
 

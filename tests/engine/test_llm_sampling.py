@@ -14,7 +14,7 @@ import torch
 from kvconnect import LLM, SamplingParams
 from kvconnect.engine.structured_output import StructuredOutputsParams
 from kvconnect.messages import PositionLogprobs
-from kvconnect.tokenizer import BYTE_EOS
+from kvconnect.model.tokenizer import BYTE_EOS
 from tests.engine.test_llm import PROMPTS, assert_nothing_held, dense_model
 
 pytestmark = pytest.mark.slow

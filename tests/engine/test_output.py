@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from kvconnect.engine.output import OutputProcessor, RequestState
 from kvconnect.engine.request import Request, RequestStatus, SamplingParams
-from kvconnect.tokenizer import ByteTokenizer
+from kvconnect.model.tokenizer import ByteTokenizer
 
 
 def run(tokens: list[int], stop: tuple[str, ...] = ()) -> tuple[RequestState, list[str]]:

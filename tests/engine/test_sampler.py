@@ -21,7 +21,7 @@ from kvconnect.engine.sampler import (
 )
 from kvconnect.engine.scheduler import Scheduler, SchedulerConfig
 from kvconnect.messages import ScheduledRequest
-from kvconnect.tokenizer import ByteTokenizer, load_tokenizer
+from kvconnect.model.tokenizer import ByteTokenizer, load_tokenizer
 
 VOCAB = 300
 EOS = 2

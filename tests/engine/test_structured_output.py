@@ -17,7 +17,7 @@ from kvconnect.engine.structured_output import (
     StructuredOutputsParams,
     grammar_bitmask,
 )
-from kvconnect.tokenizer import BYTE_EOS, ByteTokenizer, load_tokenizer
+from kvconnect.model.tokenizer import BYTE_EOS, ByteTokenizer, load_tokenizer
 
 VOCAB = 258
 DIGITS = StructuredOutputsParams(regex=r"[0-9]{2}")

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from kvconnect.model.config import ModelConfig
-from kvconnect.model_source import ModelKind, gguf_metadata, resolve_model
+from kvconnect.model.source import ModelKind, gguf_metadata, resolve_model
 
 
 def llama(**overrides: Any) -> dict[str, Any]:

@@ -13,7 +13,7 @@ import gguf
 import numpy as np
 import pytest
 
-from kvconnect.gguf_file import GGUFFile
+from kvconnect.model.gguf_file import GGUFFile
 
 
 def assert_same_as_gguf_reader(path: Path) -> None:

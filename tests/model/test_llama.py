@@ -9,7 +9,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from kvconnect.model.config import TINY, ModelConfig
 from kvconnect.model.llama import AttentionMetadata, Linear, LlamaForCausalLM, paged_attention
 from kvconnect.model.loader import load_model, shard_dim, tiny_state_dict
-from kvconnect.tokenizer import ByteTokenizer
+from kvconnect.model.tokenizer import ByteTokenizer
 
 
 def dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

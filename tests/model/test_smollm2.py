@@ -12,8 +12,8 @@ import torch
 
 from kvconnect import LLM, SamplingParams
 from kvconnect.model.loader import load_model
-from kvconnect.model_source import resolve_model
-from kvconnect.tokenizer import load_tokenizer
+from kvconnect.model.source import resolve_model
+from kvconnect.model.tokenizer import load_tokenizer
 from tests.model.test_llama import run_paged
 
 pytestmark = [pytest.mark.slow, pytest.mark.realmodel]
@@ -154,7 +154,7 @@ def test_the_greedy_chat_answer_token_for_token(
 def test_each_ranks_shard_is_its_slice_of_the_whole_tensor() -> None:
     """A rank dequantizes only its own rows (gguf.py): the result equals the whole tensor,
     dequantized and un-interleaved, then sliced, for every sharded parameter of a layer."""
-    from kvconnect.model.gguf import GGUFWeights
+    from kvconnect.model.gguf_weights import GGUFWeights
     from kvconnect.model.loader import load_model_info, shard_dim
 
     path = resolve_model("smollm2").path

@@ -9,10 +9,10 @@ from pathlib import Path
 import zmq.auth
 
 from kvconnect.commands.events import CURVE_CLIENT_KEY_ENV, CURVE_SERVER_KEY_ENV, curve_from_env
+from kvconnect.model.tokenizer import load_tokenizer
 from kvconnect.router.core import Instance, Router
 from kvconnect.router.index import BlockIndex
 from kvconnect.stream.publisher import ZmqEventPublisher
-from kvconnect.tokenizer import load_tokenizer
 from tests.helpers import make_batch, tcp_pair
 
 NAME = "http://127.0.0.1:1"

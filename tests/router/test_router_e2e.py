@@ -225,7 +225,11 @@ def test_a_hung_instance_leaves_rotation_and_rejoins_when_it_resumes(
 
 
 def test_router_imports_no_torch() -> None:
-    code = "import sys, kvconnect.router.server; assert 'torch' not in sys.modules"
+    """`kvconnect router`'s process: the CLI, its command, the router, its HTTP and tokenizer."""
+    code = (
+        "import sys, kvconnect.cli, kvconnect.commands.router, kvconnect.router.server; "
+        "assert 'torch' not in sys.modules"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

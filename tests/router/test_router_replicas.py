@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from kvconnect import LLM, SamplingParams
+from kvconnect.model.tokenizer import load_tokenizer
 from kvconnect.router.core import Instance, Router
 from kvconnect.router.index import BlockIndex
-from kvconnect.tokenizer import load_tokenizer
 
 pytestmark = pytest.mark.slow
 

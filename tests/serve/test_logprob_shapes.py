@@ -4,13 +4,13 @@ choice's tokens come in one delta or one by one."""
 from __future__ import annotations
 
 from kvconnect.messages import PositionLogprobs
+from kvconnect.model.tokenizer import ByteTokenizer
 from kvconnect.serve.logprobs import (
     TokenText,
     completion_logprobs,
     output_contexts,
     prompt_contexts,
 )
-from kvconnect.tokenizer import ByteTokenizer
 
 TEXT = TokenText(ByteTokenizer())
 

@@ -15,7 +15,7 @@ from openai.types import Completion
 
 from kvconnect import LLM, SamplingParams
 from kvconnect.messages import PositionLogprobs
-from kvconnect.tokenizer import ByteTokenizer
+from kvconnect.model.tokenizer import ByteTokenizer
 from tests.serving import RouterProcess, Serve, post
 
 pytestmark = pytest.mark.slow

@@ -21,7 +21,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from kvconnect.tokenizer import BYTE_EOS
+from kvconnect.model.tokenizer import BYTE_EOS
 from tests.engine.test_sampler_extremes import controls
 from tests.serving import RouterProcess, Serve, get, post
 

@@ -35,7 +35,7 @@ from kvconnect.connector.offload.tiers.base import (
 from kvconnect.connector.offload.tiers.redis import RedisTier
 from kvconnect.connector.offload.tiers.redis_client import with_password
 from kvconnect.connector.offload.tiers.redis_watch import RedisWatcher
-from kvconnect.model_source import weights_identity
+from kvconnect.model.source import weights_identity
 from tests.helpers import free_port
 
 SHAPE = (2, 2, 8, 2, 4)

@@ -1,6 +1,6 @@
 """Tokenizers and chat templates: bytes for `tiny`, a GGUF file's vocabulary, a tokenizer.json.
 
-    load_tokenizer(model) -> Tokenizer          model as `model_source.resolve_model` takes it
+    load_tokenizer(model) -> Tokenizer          model as `source.resolve_model` takes it
     tokenizer.encode(text) / decode(ids)        no special tokens added: the engine sees the text
     tokenizer.apply_chat_template(messages, tools=...)   the prompt text, as transformers renders it
     tokenizer.token_bytes()                     each token's bytes in the text (for grammars)
@@ -25,7 +25,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Protocol
 
-from kvconnect.model_source import ModelKind, gguf_metadata, resolve_model
+from kvconnect.model.source import ModelKind, gguf_metadata, resolve_model
 
 BYTE_BOS, BYTE_EOS = 256, 257
 """The byte tokenizer's special ids, after the 256 byte values."""

@@ -1,6 +1,7 @@
-"""`api/h1.py`, the router's HTTP/1.1 server, over real loopback sockets: what it reads, what it
-refuses, how it frames answers, its deadlines and its cap. The router's own behaviour through
-it (auth, limits, fuzz, relays) is tested on the `kvconnect router` process elsewhere."""
+"""`http/h1_server.py`, the router's HTTP/1.1 server, over real loopback sockets: what it
+reads, what it refuses, how it frames answers, its deadlines and its cap. The router's own
+behaviour through it (auth, limits, fuzz, relays) is tested on the `kvconnect router` process
+elsewhere."""
 
 from __future__ import annotations
 
@@ -15,10 +16,10 @@ from contextlib import contextmanager
 
 import pytest
 
-from kvconnect.api.auth import BearerAuth
-from kvconnect.api.connections import ConnectionLimits
-from kvconnect.api.h1 import H1Server, Request, Response, json_response
 from kvconnect.api.protocol import MAX_BODY_BYTES
+from kvconnect.http.auth import BearerAuth
+from kvconnect.http.h1_server import H1Server, Request, Response, json_response
+from kvconnect.http.limits import ConnectionLimits
 
 from ..helpers import wait_for
 

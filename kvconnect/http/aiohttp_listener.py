@@ -1,5 +1,6 @@
 """The listening socket of `kvconnect serve` (aiohttp): a connection cap and a header deadline.
-The router's server (`api/h1.py`) keeps the same `ConnectionLimits` and 503 in its own loop.
+The router's server (`h1_server.py`) keeps the same `ConnectionLimits` and 503 (`limits.py`)
+in its own loop.
 
 aiohttp bounds neither: 400 clients that send one byte a second keep 400 connections (and
 their buffers) open for as long as they like. Each accepted connection is wrapped here before
@@ -13,7 +14,7 @@ aiohttp's own protocol sees it:
         |    connection has the same time to send its next head)
         v
     a request runs (the middleware marks it)  -- no deadline here: the body has
-        |                                         `api.http.read_body`'s, the work its own
+        |                                         `aiohttp_app.read_body`'s, the work its own
         v
     answer handed to the transport --> waiting for the next head again
 
@@ -27,58 +28,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
-from dataclasses import dataclass
 from typing import cast
 
 from aiohttp import web
 from aiohttp.typedefs import Handler
 from aiohttp.web_protocol import RequestHandler
 
-MAX_CONNECTIONS = 1024
-HEADER_TIMEOUT_S = 10.0
-BODY_TIMEOUT_S = 30.0
-RETRY_AFTER_S = 1
-
-_BUSY_BODY = json.dumps(
-    {
-        "error": {
-            "message": "too many open connections; retry later",
-            "type": "service_unavailable",
-            "param": None,
-            "code": None,
-        }
-    }
-).encode()
-BUSY_RESPONSE = (
-    b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
-    + f"Retry-After: {RETRY_AFTER_S}\r\nContent-Length: {len(_BUSY_BODY)}\r\n".encode()
-    + b"Connection: close\r\n\r\n"
-    + _BUSY_BODY
-)
-
-
-@dataclass(frozen=True)
-class ConnectionLimits:
-    max_connections: int = MAX_CONNECTIONS
-    """Open connections at most; one more is answered 503 and closed."""
-    header_timeout: float = HEADER_TIMEOUT_S
-    """Seconds a connection has to deliver a whole request head (after opening, or after its
-    previous answer)."""
-    body_timeout: float = BODY_TIMEOUT_S
-    """Seconds a request has to deliver its whole body (`api.http.read_body`)."""
-
-    def __post_init__(self) -> None:
-        if self.max_connections < 1:
-            raise ValueError(f"max_connections={self.max_connections}: must be at least 1")
-        for name in ("header_timeout", "body_timeout"):
-            value = getattr(self, name)
-            if not 0 < value < float("inf"):
-                raise ValueError(f"{name}={value}: must be a positive number of seconds")
-
+from kvconnect.http.limits import BUSY_RESPONSE, ConnectionLimits
 
 BODY_TIMEOUT = web.AppKey("body_timeout", float)
-"""The app's body deadline, for `api.http.read_body`."""
+"""The app's body deadline, for `aiohttp_app.read_body`."""
 
 
 class _Guarded(asyncio.Protocol):
@@ -203,4 +162,4 @@ class Listener:
             await self._runner.cleanup()
 
 
-__all__ = ["BODY_TIMEOUT", "BUSY_RESPONSE", "ConnectionLimits", "Listener"]
+__all__ = ["BODY_TIMEOUT", "Listener"]

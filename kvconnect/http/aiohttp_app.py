@@ -1,6 +1,8 @@
-"""What every kvconnect HTTP server shares: OpenAI-shaped errors, a bounded body, access logs.
+"""What `kvconnect serve`'s aiohttp app runs its requests through: OpenAI-shaped errors, a
+bounded body, the access log (`access_log.py`'s line, the router's too) with a 500 for the
+unexpected. The router's server does the same in `h1_server.py`.
 
-Imports no engine (the router uses it too).
+Imports no engine.
 """
 
 from __future__ import annotations
@@ -15,11 +17,12 @@ from aiohttp.http_exceptions import PayloadEncodingError
 from aiohttp.typedefs import Handler
 from aiohttp.web_protocol import RequestPayloadError
 
-from kvconnect.api.connections import BODY_TIMEOUT, BODY_TIMEOUT_S
 from kvconnect.api.protocol import MAX_BODY_BYTES, ApiError
+from kvconnect.http.access_log import access_log, log_access
+from kvconnect.http.aiohttp_listener import BODY_TIMEOUT
+from kvconnect.http.limits import BODY_TIMEOUT_S
 
 logger = logging.getLogger(__name__)
-access_log = logging.getLogger("kvconnect.access")
 
 
 def error_response(e: ApiError) -> web.Response:
@@ -87,15 +90,3 @@ async def access_and_errors(request: web.Request, handler: Handler) -> web.Strea
 
 def _log_access(request: web.Request, status: int, start: float) -> None:
     log_access(request.method, request.path, status, start, request.get("instance"))
-
-
-def log_access(method: str, path: str, status: int, start: float, where: str | None) -> None:
-    """The access-log line of both servers; `start` from `time.monotonic()`."""
-    access_log.info(
-        "%s %s %d %.1fms%s",
-        method,
-        path,
-        status,
-        (time.monotonic() - start) * 1000,
-        f" -> {where}" if where else "",
-    )

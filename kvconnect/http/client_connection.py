@@ -1,4 +1,4 @@
-"""One keep-alive HTTP/1.1 connection to an instance, as an `asyncio.Protocol` (`upstream.py`
+"""One keep-alive HTTP/1.1 connection to an instance, as an `asyncio.Protocol` (`client.py`
 speaks HTTP over it).
 
 What the instance sends is kept in one buffer until the request on the connection takes it:

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from kvconnect.api.auth import BearerAuth, api_key_from, secret_from
+from kvconnect.http.auth import BearerAuth, api_key_from, secret_from
 from tests.serving import RouterProcess, Serve
 
 pytestmark = pytest.mark.slow

