@@ -160,6 +160,11 @@ class _ReplayAnswer:
     """The terminator arrived (False: timeout or socket error)."""
 
 
+REPLAY_ATTEMPTS = 3
+"""Replay requests in a row that may stall (nothing for `replay_timeout`) before what they
+should have repaired is reported lost."""
+
+
 class KVEventSubscriber:
     """Subscribe to one or more KV event publishers; iterate to get their batches in order."""
 
@@ -523,13 +528,18 @@ class KVEventSubscriber:
     def _request_replay(self, endpoint: str, start_seq: int | bytes) -> _ReplayAnswer:
         """Every batch the publisher still holds from `start_seq` on, and its status (or, for
         SNAPSHOT_REQUEST, its snapshot). The deadline is on progress: an answer that stalls
-        for `replay_timeout` after some batches is asked for again from the next seq, so it
-        ends only when complete or when the publisher sends nothing at all for that long."""
+        for `replay_timeout` is asked for again from the next seq, so it ends only when
+        complete or when the publisher sends nothing for REPLAY_ATTEMPTS deadlines in a row.
+        A stall is not a loss: a publisher busy with a flood of other sessions may take
+        longer than one deadline to send its first message, and what is reported lost makes
+        a router forget the instance's index."""
         answer = self._replay_once(endpoint, start_seq)
-        while not answer.complete and answer.batches and isinstance(start_seq, int):
-            more = self._replay_once(endpoint, answer.batches[-1][1] + 1)
-            if not more.batches and not more.complete:
-                break
+        stalls = 0 if answer.batches else 1
+        batches = isinstance(start_seq, int) and start_seq != _PROBE_SEQ  # not a status probe
+        while not answer.complete and batches and stalls < REPLAY_ATTEMPTS:
+            next_seq = answer.batches[-1][1] + 1 if answer.batches else start_seq
+            more = self._replay_once(endpoint, next_seq)
+            stalls = 0 if more.batches else stalls + 1
             answer.batches.extend(more.batches)
             answer.status, answer.complete = more.status, more.complete
         return answer
