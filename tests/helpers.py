@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import random
+import select
+import selectors
 import socket
 import time
 from collections.abc import Callable
@@ -144,12 +146,81 @@ def wait_subscribed(xpub: zmq.Socket[bytes], timeout: float = 10.0) -> None:
     assert xpub.recv()[:1] == b"\x01"
 
 
-def wait_for(condition: Callable[[], bool], timeout: float = 10.0) -> None:
-    """Until `condition()` holds (checked every 10 ms); fails after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
+def wait_for(
+    condition: Callable[[], bool],
+    timeout: float = 10.0,
+    interval: float = 0.01,
+    what: str | Callable[[], object] = "condition not met in time",
+) -> float:
+    """Seconds until `condition()` held, checked every `interval` seconds; fails after
+    `timeout` seconds with `what` (if callable, called then: the state it saw). The tests'
+    one polling loop, for a state no event announces (a router's index, a metric over HTTP);
+    where something can be waited on (a socket, a pipe, a process's exit) wait on that."""
+    start = time.monotonic()
     while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.01)
+        assert time.monotonic() - start < timeout, what() if callable(what) else what
+        time.sleep(interval)
+    return time.monotonic() - start
+
+
+def wait_exit(pid: int, timeout: float = 10.0) -> None:
+    """Until process `pid` has exited (its pidfd turns readable; it need not be our child
+    nor reaped yet); fails after `timeout` seconds."""
+    fd = os.pidfd_open(pid)
+    try:
+        assert select.select([fd], [], [], timeout)[0], f"process {pid} did not exit"
+    finally:
+        os.close(fd)
+
+
+class RedisMonitor:
+    """The commands redis-servers receive, read from a MONITOR connection to each: a test
+    acts at the nth GET by blocking on these sockets (Redis prints each command as it runs
+    it), not by polling INFO. Open it before the traffic it counts."""
+
+    def __init__(self, ports: list[int]) -> None:
+        self._selector = selectors.DefaultSelector()
+        self._pending: dict[socket.socket, bytes] = {}
+        for port in ports:
+            sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+            sock.sendall(b"MONITOR\r\n")
+            reply = b""
+            while b"\r\n" not in reply:  # "+OK": from now on every command is shown
+                reply += sock.recv(64)
+            ok, _, self._pending[sock] = reply.partition(b"\r\n")
+            assert ok == b"+OK", reply
+            self._selector.register(sock, selectors.EVENT_READ)
+
+    def wait(self, command: str, num: int, timeout: float = 30.0) -> bool:
+        """Until `num` `command`s (a name such as "get") reached the servers in all, counted
+        from the start; False if they did not within `timeout` seconds."""
+        seen, name = 0, b'"' + command.lower().encode() + b'"'
+        deadline = time.monotonic() + timeout
+        while seen < num:
+            ready = self._selector.select(max(0.0, deadline - time.monotonic()))
+            if not ready:
+                return False
+            for key, _ in ready:
+                seen += self._count(key.fileobj, name)  # type: ignore[arg-type]
+        return True
+
+    def _count(self, sock: socket.socket, name: bytes) -> int:
+        """How many of the lines `sock` has for us show command `name` (a line: +<time>
+        [<db> <client>] "get" "<key>", arguments escaped); a server gone shows none."""
+        try:
+            data = sock.recv(1 << 16)
+        except ConnectionError:
+            data = b""
+        if not data:
+            self._selector.unregister(sock)
+            return 0
+        *lines, self._pending[sock] = (self._pending[sock] + data).split(b"\r\n")
+        return sum(line.partition(b"] ")[2].split(b" ", 1)[0].lower() == name for line in lines)
+
+    def close(self) -> None:
+        for sock in self._pending:
+            sock.close()
+        self._selector.close()
 
 
 def poll_until(
@@ -230,11 +301,14 @@ def listening_sockets(pids: list[int]) -> list[tuple[str, int]]:
 def rebind(ep: str, rp: str) -> ZmqEventPublisher:
     """A new publisher on the addresses of one just shut down in this process: libzmq releases
     a closed socket's port asynchronously, so retry briefly (a restarted process has no race)."""
-    deadline = time.monotonic() + 5
-    while True:
+    opened: list[ZmqEventPublisher] = []
+
+    def bound() -> bool:
         try:
-            return ZmqEventPublisher.open(bind=True, endpoint=ep, replay_endpoint=rp)
+            opened.append(ZmqEventPublisher.open(bind=True, endpoint=ep, replay_endpoint=rp))
         except RuntimeError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.05)
+            return False
+        return True
+
+    wait_for(bound, timeout=5, interval=0.05, what=f"{ep} or {rp} still taken after 5 s")
+    return opened[0]

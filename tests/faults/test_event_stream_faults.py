@@ -7,7 +7,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
 
 from kvconnect.stream.publisher import ZmqEventPublisher
@@ -64,16 +63,41 @@ class Tail:
         return rest
 
 
+class Window:
+    """How far the feeder may run ahead of what the test has read (the ring must still hold
+    what a restarted subscriber asks for): the feeder waits on a condition the reader
+    notifies."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.last_read = -1
+        self.closed = False
+        self._cond = threading.Condition()
+
+    def read(self, seq: int) -> None:
+        with self._cond:
+            self.last_read = seq
+            self._cond.notify()
+
+    def wait_room(self, seq: int) -> None:
+        """Until `seq` may be published (or the window is closed)."""
+        with self._cond:
+            self._cond.wait_for(lambda: seq - self.last_read <= self.size or self.closed)
+
+    def close(self) -> None:
+        with self._cond:
+            self.closed = True
+            self._cond.notify()
+
+
 def test_100k_batches_through_a_subscriber_killed_four_times_arrive_once_in_order() -> None:
     ep, rp = tcp_pair()
     pub = ZmqEventPublisher.open(bind=True, endpoint=ep, replay_endpoint=rp, buffer_steps=RING)
-    progress = [-1]  # the last seq the test has read
-    done = threading.Event()
+    window = Window(RING // 2)  # the ring holds the rest
 
     def feed() -> None:
         for i in range(TOTAL):
-            while i - progress[0] > RING // 2 and not done.is_set():  # the ring holds the rest
-                time.sleep(0.001)
+            window.wait_room(i)
             pub.publish(make_batch(i))
 
     got: list[int] = []
@@ -87,7 +111,7 @@ def test_100k_batches_through_a_subscriber_killed_four_times_arrive_once_in_orde
             for line in tail.lines():
                 if line.isdigit():
                     got.append(int(line))
-                    progress[0] = got[-1]
+                    window.read(got[-1])
                 else:
                     other.append(line)
                 if kill_at is not None and got and got[-1] >= kill_at:
@@ -97,12 +121,12 @@ def test_100k_batches_through_a_subscriber_killed_four_times_arrive_once_in_orde
             if kill_at is None:
                 break
             got += [int(x) for x in tail.kill() if x.isdigit()]  # printed before it died
-            progress[0] = got[-1]
+            window.read(got[-1])
             tail = Tail(ep, rp, got[-1] + 1)  # a restarted process resumes where it was
         assert other == []  # nothing lost, nothing garbled, no false restart
         assert len(got) == TOTAL and got == list(range(TOTAL))  # once each, in order
     finally:
-        done.set()
+        window.close()
         tail.kill()
         pub.shutdown()
 

@@ -9,7 +9,6 @@ import os
 import random
 import signal
 import threading
-import time
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -30,6 +29,7 @@ from kvconnect.events import (
 )
 from tests.conftest import start_redis
 from tests.connector.offload.test_redis_removals import Instance, in_tier, redis_blocks
+from tests.helpers import RedisMonitor
 
 GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
 rng = random.Random(13)
@@ -68,23 +68,22 @@ def run_round(inst: Instance, reference: list[list[int]]) -> int:
     return sum(o.num_external_tokens for o in outs)
 
 
-def when_gets_reach(server: LocalRedis, n: int, action: Callable[[], None]) -> threading.Thread:
-    """Run `action` as soon as the server has answered `n` GETs (the loads' reads)."""
-    client = redis.Redis(port=server.port)
-    base = gets(client)
+def when_gets_reach(server: LocalRedis, n: int, action: Callable[[], None]) -> threading.Event:
+    """Run `action` as soon as the server has run `n` GETs (the loads' reads) from now on;
+    the event is set once it has."""
+    monitor = RedisMonitor([server.port])
+    fired = threading.Event()
 
     def watch() -> None:
-        while gets(client) < base + n:
-            time.sleep(0.0005)
-        action()
+        try:
+            if monitor.wait("get", n, timeout=60):
+                action()
+                fired.set()
+        finally:
+            monitor.close()
 
-    thread = threading.Thread(target=watch, daemon=True)
-    thread.start()
-    return thread
-
-
-def gets(client: redis.Redis) -> int:
-    return int(client.info("commandstats").get("cmdstat_get", {}).get("calls", 0))
+    threading.Thread(target=watch, daemon=True).start()
+    return fired
 
 
 def load_errors(inst: Instance) -> int:
@@ -116,10 +115,9 @@ def test_redis_failing_while_loads_read_it_changes_no_output(
                 server.proc.wait()
                 replacement.append(LocalRedis(port=server.port))  # empty, same address
 
-        watcher = when_gets_reach(server, 3, act)  # mid-round: some loads done, some not
+        fired = when_gets_reach(server, 3, act)  # mid-round: some loads done, some not
         run_round(inst, reference)
-        watcher.join(timeout=10)
-        assert not watcher.is_alive(), "the fault never fired"
+        assert fired.wait(10), "the fault never fired"
         assert load_errors(inst) >= 1  # it did hit loads in flight
         if fault == "paused":
             os.kill(pid, signal.SIGCONT)

@@ -8,12 +8,10 @@ import os
 import random
 import signal
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import redis
 import torch
 from redis.cluster import RedisCluster
 
@@ -24,6 +22,7 @@ from kvconnect.connector.offload.tiers.base import TierError
 from kvconnect.connector.offload.tiers.redis import RedisTier
 from kvconnect.connector.offload.tiers.redis_client import KEY_PREFIX
 from tests.connector.offload.test_offload_engine import CHUNK, offload, settle
+from tests.helpers import RedisMonitor
 
 pytestmark = pytest.mark.slow
 GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
@@ -88,14 +87,6 @@ def prompts() -> list[list[int]]:
     return [system + [r.randrange(256) for _ in range(3 * CHUNK + i)] for i in range(4)]
 
 
-def gets(cluster: LocalRedisCluster) -> int:
-    total = 0
-    for n in cluster.masters():
-        stats = redis.Redis(port=n.port, socket_timeout=1).info("commandstats")
-        total += int(stats.get("cmdstat_get", {}).get("calls", 0))
-    return total
-
-
 def test_an_engine_reuses_kv_through_the_cluster_and_survives_a_failover(
     cluster: LocalRedisCluster, tmp_path: Path
 ) -> None:
@@ -112,13 +103,14 @@ def test_an_engine_reuses_kv_through_the_cluster_and_survives_a_failover(
         assert [o.outputs[0].token_ids for o in out] == expected
         assert sum(o.num_external_tokens for o in out) > 0  # loaded from the cluster
         # A master dies while the next round's loads read: its replica takes over.
-        base = gets(cluster)
+        monitor = RedisMonitor([n.port for n in cluster.masters()])
         killed: list[int] = []
 
         def kill_on_third_get() -> None:
-            deadline = time.monotonic() + 30
-            while gets(cluster) < base + 3 and time.monotonic() < deadline:
-                time.sleep(0.0005)
+            try:
+                monitor.wait("get", 3, timeout=30)  # on time or not: the round must not fail
+            finally:
+                monitor.close()
             victim = cluster.masters()[0]
             killed.append(victim.port)
             os.kill(victim.proc.pid, signal.SIGKILL)
