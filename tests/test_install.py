@@ -8,6 +8,7 @@ Makefile passes them."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -52,11 +53,19 @@ def structured_request(url: str) -> tuple[int, dict[str, object]]:
     return status, body
 
 
+def source_copy(dest: Path) -> Path:
+    """The checkout's files that a build reads, copied: setuptools builds in the source tree
+    (build/, *.egg-info), and its build/lib keeps modules that were since moved or deleted,
+    which the wheel would then ship."""
+    junk = shutil.ignore_patterns(".*", "build", "*.egg-info", "__pycache__")
+    return Path(shutil.copytree(ROOT, dest, ignore=junk))
+
+
 def test_a_fresh_install_from_pyproject_serves_structured_output(tmp_path: Path) -> None:
     venv = tmp_path / "venv"
     uv("venv", "--quiet", "--python", sys.executable, str(venv))
     python = str(venv / "bin" / "python")
-    uv("pip", "install", "--quiet", "--python", python, str(ROOT))
+    uv("pip", "install", "--quiet", "--python", python, str(source_copy(tmp_path / "src")))
     where = subprocess.run(  # from another directory: the installed copy, not this checkout
         [python, "-c", "import kvconnect; print(kvconnect.__file__)"],
         cwd=tmp_path,
