@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import random
-import select
 import selectors
 import socket
 import time
@@ -161,16 +160,6 @@ def wait_for(
         assert time.monotonic() - start < timeout, what() if callable(what) else what
         time.sleep(interval)
     return time.monotonic() - start
-
-
-def wait_exit(pid: int, timeout: float = 10.0) -> None:
-    """Until process `pid` has exited (its pidfd turns readable; it need not be our child
-    nor reaped yet); fails after `timeout` seconds."""
-    fd = os.pidfd_open(pid)
-    try:
-        assert select.select([fd], [], [], timeout)[0], f"process {pid} did not exit"
-    finally:
-        os.close(fd)
 
 
 class RedisMonitor:

@@ -7,7 +7,6 @@ import dataclasses
 import pkgutil
 import subprocess
 import sys
-import time
 from typing import Any
 
 import torch
@@ -40,6 +39,7 @@ from kvconnect.messages import (
     SchedulerOutput,
 )
 from tests.connector.helpers import roundtrip
+from tests.helpers import wait_for
 
 
 def test_no_module_outside_kvconnect_vllm_imports_vllm() -> None:
@@ -150,11 +150,12 @@ class Halves:
 
     def step_until_redis_drops_one(self) -> None:
         """Idle steps until the scheduler announced that Redis dropped a chunk (its ttl)."""
-        deadline = time.monotonic() + 10
-        while not self.count(BlockRemoved, TIER_STORAGE_REMOTE):
-            assert time.monotonic() < deadline, "redis never expired the chunk"
-            time.sleep(0.02)
+
+        def dropped() -> bool:
             self.step()
+            return self.count(BlockRemoved, TIER_STORAGE_REMOTE) > 0
+
+        wait_for(dropped, interval=0.02, what="redis never expired the chunk")
 
     def close(self) -> None:
         self.worker.shutdown()

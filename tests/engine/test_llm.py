@@ -29,7 +29,7 @@ from kvconnect.model.loader import tiny_state_dict
 from kvconnect.model.tokenizer import BYTE_EOS
 from kvconnect.stream.subscriber import KVEventSubscriber, ReceivedBatch
 from tests.connector.helpers import MODULE
-from tests.helpers import listening_sockets, read_through
+from tests.helpers import listening_sockets, read_through, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -223,11 +223,13 @@ def test_check_alive_notices_a_dead_worker_fails_every_request_and_shuts_down() 
     (pid,) = llm.executor.worker_pids
     assert pid is not None
     os.kill(pid, signal.SIGKILL)
-    start = time.monotonic()
+
+    def exit_seen() -> bool:
+        llm.check_alive()  # raises once the fork server has reported the exit
+        return False
+
     with pytest.raises(EngineDeadError, match="worker 0 died"):
-        while time.monotonic() - start < 10:  # until the exit is seen
-            llm.check_alive()
-            time.sleep(0.01)
+        wait_for(exit_seen, what="check_alive never noticed the dead worker")
     assert waiting.status is RequestStatus.FINISHED_ERROR and not llm.has_unfinished_requests
     assert llm.executor.worker_pids == []  # shut down, nothing left running
     with pytest.raises(EngineDeadError):

@@ -52,7 +52,7 @@ class App:
                 yield b"two"
                 if req.query == "hang":
                     self.streaming.set()
-                    await asyncio.sleep(3600)
+                    await asyncio.Event().wait()  # never set: until the client leaves
             except asyncio.CancelledError:
                 self.cancelled.set()
                 raise

@@ -3,7 +3,6 @@ two environment variables); without them it learns nothing from such a stream.""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import zmq.auth
@@ -13,7 +12,7 @@ from kvconnect.model.tokenizer import load_tokenizer
 from kvconnect.router.core import Instance, Router
 from kvconnect.router.index import BlockIndex
 from kvconnect.stream.publisher import ZmqEventPublisher
-from tests.helpers import make_batch, tcp_pair
+from tests.helpers import make_batch, tcp_pair, wait_for
 
 NAME = "http://127.0.0.1:1"
 
@@ -45,14 +44,10 @@ def test_a_router_with_the_keys_follows_a_curve_stream_and_one_without_learns_no
     try:
         for i in range(3):
             pub.publish(make_batch(i, num_events=1))
-        deadline = time.monotonic() + 20
-        while routers[True].index.num_blocks().get(NAME, 0) < 3:  # replayed, decrypted
-            assert time.monotonic() < deadline, routers[True].index.num_blocks()
-            time.sleep(0.01)
-        pub.publish(make_batch(3, num_events=1))  # and live
-        while routers[True].index.num_blocks().get(NAME, 0) < 4:
-            assert time.monotonic() < deadline, routers[True].index.num_blocks()
-            time.sleep(0.01)
+        index = routers[True].index
+        wait_for(lambda: index.num_blocks().get(NAME, 0) >= 3, 20, what=index.num_blocks)
+        pub.publish(make_batch(3, num_events=1))  # and live (the first 3: replayed, decrypted)
+        wait_for(lambda: index.num_blocks().get(NAME, 0) >= 4, 20, what=index.num_blocks)
         # The keyed router has both the replayed and the live batch; the plain one, started
         # first and asking the same sockets, was refused at the handshake.
         assert routers[False].index.num_blocks().get(NAME, 0) == 0

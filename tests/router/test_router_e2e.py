@@ -11,7 +11,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -19,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from tests import helpers
 from tests.serving import RouterProcess, Serve, get, post
 
 pytestmark = pytest.mark.slow
@@ -93,12 +93,8 @@ def state(router: RouterProcess, instance: str) -> str:
 
 
 def wait_for(pred: Callable[[], bool], timeout: float = 20.0) -> float:
-    """Seconds until `pred()` held (polled every 20 ms); fails after `timeout`."""
-    start = time.monotonic()
-    while not pred():
-        assert time.monotonic() - start < timeout, "condition not reached"
-        time.sleep(0.02)
-    return time.monotonic() - start
+    """Seconds until `pred()` held (asked every 20 ms: each ask is an HTTP request)."""
+    return helpers.wait_for(pred, timeout, interval=0.02)
 
 
 def test_repeated_prompt_follows_its_cache_and_cold_prompt_avoids_load(

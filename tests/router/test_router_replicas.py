@@ -4,7 +4,6 @@ replica makes it (its own history, its start time, what it missed)."""
 
 import random
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
@@ -13,6 +12,7 @@ from kvconnect import LLM, SamplingParams
 from kvconnect.model.tokenizer import load_tokenizer
 from kvconnect.router.core import Instance, Router
 from kvconnect.router.index import BlockIndex
+from tests.helpers import wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -71,15 +71,17 @@ def test_two_replicas_decide_alike_on_a_replayed_workload(tmp_path: Path) -> Non
 def wait_applied(router: Router, engines: dict[str, LLM], timeout: float = 10.0) -> None:
     """Until the router's index reflects every batch each engine has published: its
     subscriber's last seq per stream equals the publisher's."""
-    deadline = time.monotonic() + timeout
     want = {
         name: llm.publisher.num_published - 1  # type: ignore[attr-defined]
         for name, llm in engines.items()
     }
-    while True:
+
+    def seen() -> dict[str, int]:
         with router.lock:
-            seen = dict(router.last_seq)
-        if all(seen.get(n, -1) >= s for n, s in want.items()):
-            return
-        assert time.monotonic() < deadline, (seen, want)
-        time.sleep(0.005)
+            return dict(router.last_seq)
+
+    def applied() -> bool:
+        last = seen()
+        return all(last.get(n, -1) >= s for n, s in want.items())
+
+    wait_for(applied, timeout, what=lambda: (seen(), want))

@@ -7,24 +7,16 @@ from __future__ import annotations
 import json
 import random
 import re
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import redis
 
 from tests.conftest import start_redis
+from tests.helpers import wait_for
 from tests.serving import RouterProcess, Serve, get, post
 
 pytestmark = pytest.mark.slow
-
-
-def wait_for(pred: Callable[[], bool], timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.02)
 
 
 def test_a_silent_loss_in_redis_is_found_by_the_answer_and_counted_stale(tmp_path: Path) -> None:
@@ -66,7 +58,7 @@ def test_a_silent_loss_in_redis_is_found_by_the_answer_and_counted_stale(tmp_pat
                 post(server.url + "/v1/completions", {"prompt": other, "max_tokens": 1})[0] == 200
             )
         # What the router believes: the prompt's chunks in redis, nothing on the GPU.
-        wait_for(lambda: score()["blocks_per_tier"] == {"STORAGE/REMOTE": 8})
+        wait_for(lambda: score()["blocks_per_tier"] == {"STORAGE/REMOTE": 8}, 20, 0.02)
         redis.Redis(port=store.port).flushall()  # lost, and nobody says so
         status, answer, _ = post(router.url + "/v1/completions", body)
         assert status == 200 and answer["usage"]["prompt_tokens_details"]["cached_tokens"] == 0

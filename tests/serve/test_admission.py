@@ -16,6 +16,11 @@ def jobs(loop: asyncio.AbstractEventLoop, num_jobs: int, num_tokens: int) -> lis
     return [Job([1] * num_tokens, SamplingParams(max_tokens=1), loop) for _ in range(num_jobs)]
 
 
+async def received(job: Job) -> Update | Failed:
+    """The next item delivered to `job` (its delivery has run); fails after 10 s."""
+    return await asyncio.wait_for(job.updates.get(), 10)
+
+
 def test_requests_are_refused_over_either_limit_and_admitted_again_as_jobs_start() -> None:
     async def main() -> None:
         loop = asyncio.get_running_loop()
@@ -33,14 +38,16 @@ def test_requests_are_refused_over_either_limit_and_admitted_again_as_jobs_start
             1000,
             2,
         )
-        # First outputs (and failures) as the engine loop delivers them: those stop waiting.
-        first[0].put(Update("a", [5]))
-        first[1].put(Failed("refused", 400))
-        first[2].put(Update("", []))  # no token yet: still waiting
-        await asyncio.sleep(0)  # the deliveries are call_soon callbacks: one loop turn
+        # First outputs (and failures) as the engine loop delivers them: those stop waiting;
+        # an update with no token yet (the third) does not.
+        sent = [Update("a", [5]), Failed("refused", 400), Update("", [])]
+        for job, item in zip(first[:3], sent, strict=True):
+            job.put(item)
+        # A delivery runs on the loop: it counts, then queues the item for the job's reader.
+        assert [await received(job) for job in first[:3]] == sent
         assert (admission.num_waiting, admission.num_waiting_tokens) == (8, 800)
         first[0].put(Update("b", [6]))  # a second output counts nothing more
-        await asyncio.sleep(0)
+        assert await received(first[0]) == Update("b", [6])
         assert admission.num_waiting == 8
         admission.release(first)  # aborted: the ones not started stop counting, once
         admission.release(first)

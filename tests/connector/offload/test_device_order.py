@@ -34,12 +34,13 @@ class RecordingOps(DeviceOps):
     def __init__(self) -> None:
         self.log: list[tuple[str, ...]] = []
         self.events: list[Event] = []
-        self._lock = threading.Lock()
+        self._logged = threading.Condition()
         self._sync = SyncOps()
 
     def _note(self, *entry: str) -> None:
-        with self._lock:
+        with self._logged:
             self.log.append(entry)
+            self._logged.notify_all()
 
     def record(self, stream: Stream) -> Event:
         event = Event(f"{stream.value}{len(self.events)}", stream is Stream.COMPUTE)
@@ -75,18 +76,10 @@ class RecordingOps(DeviceOps):
     def let_happen(self, name: str) -> None:
         next(e for e in self.events if e.name == name).happened.set()
 
-    def logged(self, entry: tuple[str, ...]) -> bool:
-        with self._lock:
-            return entry in self.log
-
-
-def wait_until(condition: Any) -> None:
-    done = threading.Event()
-    for _ in range(int(WAIT / 0.01)):
-        if condition():
-            return
-        done.wait(0.01)
-    raise AssertionError("condition not met")
+    def wait_logged(self, *entry: str) -> None:
+        """Until the I/O thread has done `entry` (each entry is notified as it is logged)."""
+        with self._logged:
+            assert self._logged.wait_for(lambda: entry in self.log, WAIT), (entry, self.log)
 
 
 def test_a_save_copies_after_the_forward_and_the_next_step_waits_for_the_copy() -> None:
@@ -105,7 +98,7 @@ def test_a_save_copies_after_the_forward_and_the_next_step_waits_for_the_copy() 
             ("record", "copy", "copy1"),
             ("compute stream",),
         ]
-        wait_until(lambda: ops.logged(("synchronize", "copy1")))
+        ops.wait_logged("synchronize", "copy1")
         key = worker._key(info(1))
         assert not worker.tiers[0].contains(key)  # the host bytes are not complete yet
         worker.handle_preemptions()  # the next step: its writes come after the copy
@@ -137,7 +130,7 @@ def test_a_load_is_finished_only_after_its_copy_into_the_cache_happened() -> Non
         worker.handle_preemptions()
         ops.log.clear()
         worker.start_load_kv(OffloadMetadata(loads=[LoadSpec("r", [info(1)], [[7, 8]], [0])]))
-        wait_until(lambda: ops.logged(("synchronize", "copy3")))
+        ops.wait_logged("synchronize", "copy3")
         assert ops.log == [
             ("record", "compute", "compute2"),  # the blocks' last reader
             ("copy stream",),

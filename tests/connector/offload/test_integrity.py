@@ -8,8 +8,7 @@ import io
 import logging
 import shutil
 import subprocess
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -36,7 +35,7 @@ from kvconnect.connector.offload.tiers.redis import RedisTier
 from kvconnect.connector.offload.tiers.redis_client import with_password
 from kvconnect.connector.offload.tiers.redis_watch import RedisWatcher
 from kvconnect.model.source import weights_identity
-from tests.helpers import free_port
+from tests.helpers import free_port, wait_for
 
 SHAPE = (2, 2, 8, 2, 4)
 KEY = b"k" * 32
@@ -182,13 +181,6 @@ def test_requirepass_and_an_acl_user_work_and_wrong_credentials_fail_clearly(
     bad.close()
 
 
-def wait_until(condition: Callable[[], bool], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.005)
-
-
 def watcher(url: str) -> RedisWatcher:
     ns = "m@0/1/"
     return RedisWatcher(url, ns, 1, lambda last: [f"{ns}0/{{{last.hex()}}}"])
@@ -206,7 +198,7 @@ def test_the_watcher_works_without_config_rights_when_the_operator_set_the_flags
         admin.set(f"kvconnect:m@0/1/0/{{{last.hex()}}}", b"x")
         w.announce(last, [7])
         admin.pexpire(f"kvconnect:m@0/1/0/{{{last.hex()}}}", 1)
-        wait_until(lambda: w.has_removed)  # the expiry's notification, heard
+        wait_for(lambda: w.has_removed)  # the expiry's notification, heard
         assert w.take_removed() == [(last, [7])]
     finally:
         w.shutdown()
