@@ -29,7 +29,7 @@ from kvconnect.events import (
 )
 from tests.conftest import start_redis
 from tests.connector.offload.test_redis_removals import Instance, in_tier, redis_blocks
-from tests.helpers import RedisMonitor
+from tests.helpers import RedisMonitor, wait_for
 
 GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
 rng = random.Random(13)
@@ -86,9 +86,13 @@ def when_gets_reach(server: LocalRedis, n: int, action: Callable[[], None]) -> t
     return fired
 
 
-def load_errors(inst: Instance) -> int:
+def connector_stat(inst: Instance, name: str) -> int:
     stats = inst.llm.scheduler.connector_stats
-    return 0 if stats is None else int(stats.data.get("num_load_errors", 0))
+    return 0 if stats is None else int(stats.data.get(name, 0))
+
+
+def load_errors(inst: Instance) -> int:
+    return connector_stat(inst, "num_load_errors")
 
 
 @pytest.mark.parametrize("fault", ["killed", "paused", "restarted"])
@@ -119,13 +123,16 @@ def test_redis_failing_while_loads_read_it_changes_no_output(
         run_round(inst, reference)
         assert fired.wait(10), "the fault never fired"
         assert load_errors(inst) >= 1  # it did hit loads in flight
+        if fault != "restarted":  # a server that stays away: the tier backs off, misses fast
+            assert connector_stat(inst, "num_redis_fast_failures") >= 1
         if fault == "paused":
             os.kill(pid, signal.SIGCONT)
-            assert run_round(inst, reference) > 0  # back: loads work again
+            # Back: once the tiers' back-off lets a probe through, loads work again.
+            wait_for(lambda: run_round(inst, reference) > 0, 30, what="redis never used again")
         elif fault == "restarted":
             # The watcher resyncs on reconnect: what the new server lacks is announced gone,
-            # what this round stored again is announced anew.
-            run_round(inst, reference)
+            # what the rounds stored again is announced anew (once a round loads, they have).
+            wait_for(lambda: run_round(inst, reference) > 0, 30, what="redis never used again")
             client = redis.Redis(port=server.port)
             inst.until(lambda: set(held(inst, TIER_STORAGE_REMOTE)) == redis_blocks(client))
             assert redis_blocks(client)

@@ -40,7 +40,7 @@ GROUP_IDX, SPEC_KIND = 0, "full_attention"
 
 Positive = Annotated[int, msgspec.Meta(ge=1)]
 Seconds = Annotated[float, msgspec.Meta(gt=0)]
-REDIS_OPTIONS = frozenset({"ttl_s", "watch", "cluster"})
+REDIS_OPTIONS = frozenset({"ttl_s", "watch", "cluster", "backoff_s", "max_backoff_s"})
 
 
 class TierConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -61,6 +61,14 @@ class TierConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     expires is announced (BlockRemoved, STORAGE/REMOTE); see tiers/redis_watch.py."""
     cluster: bool = False
     """Redis: `url` is any node of a Redis Cluster (or Valkey cluster)."""
+    backoff_s: Seconds = 0.5
+    """Redis: once the server has not answered (a timeout, a refused or lost connection), the
+    tier sends nothing for this long: its loads miss and its stores drop at once, instead of
+    each waiting out the socket timeout. Then one operation probes; each probe that fails
+    doubles the wait, one that succeeds ends it (tiers/backoff.py)."""
+    max_backoff_s: Seconds = 30.0
+    """Redis: the longest wait between probes (at least `backoff_s`): how long a server that
+    came back may go unused."""
     password_file: str = ""
     """Redis: a file holding the password (not readable by every user), used with the URL's
     user if it names one; keeps the password out of command lines and config JSON."""
@@ -80,6 +88,14 @@ class TierConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         credentials = self.url.partition("://")[2].partition("/")[0].rpartition("@")[0]
         if self.password_file and ":" in credentials:
             raise ValueError("the redis tier has a password in its url and a password_file")
+        for name in ("backoff_s", "max_backoff_s"):  # msgspec checks only what it decodes
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name}={getattr(self, name)!r} must be > 0")
+        if self.max_backoff_s < self.backoff_s:
+            raise ValueError(
+                f"max_backoff_s={self.max_backoff_s!r} must be at least backoff_s="
+                f"{self.backoff_s!r}"
+            )
         if self.kind == TierKind.CPU and self.hmac_key_file:
             raise ValueError(
                 "hmac_key_file is for the disk and redis tiers (the cpu tier is this "

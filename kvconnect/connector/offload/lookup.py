@@ -23,7 +23,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvconnect.connector.offload.tiers.base import Tier, TierError
+from kvconnect.connector.offload.tiers.base import Tier, TierError, TierUnavailable
 
 logger = logging.getLogger(__name__)
 
@@ -87,8 +87,9 @@ class PrefixLookup:
                 self._busy = True
             try:
                 answer = self.tier.num_held_prefix(q.chunks)
-            except TierError as e:
-                logger.warning("offload: shared tier lookup failed, treating as a miss: %s", e)
+            except TierError as e:  # one backing off logged the failure that started it
+                level = logging.DEBUG if isinstance(e, TierUnavailable) else logging.WARNING
+                logger.log(level, "offload: shared tier lookup failed, treating as a miss: %s", e)
                 with self._cond:
                     self.num_errors += 1
                 answer = 0

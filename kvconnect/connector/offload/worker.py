@@ -59,6 +59,7 @@ from kvconnect.connector.offload.tiers.base import (
     Tier,
     TierError,
     TierTooSmall,
+    TierUnavailable,
     mismatch,
 )
 from kvconnect.events import BlockRemoved, BlockStored, KVCacheEvent
@@ -372,9 +373,7 @@ class OffloadWorker:
         try:
             evicted = tier.put(key, info, data)
         except TierError as e:
-            logger.warning("offload: %s", e)
-            with self._lock:
-                self._count(f"num_{tier.kind}_errors")
+            self._tier_failed(tier, e)
             return
         self._emit(stored_event(info, tier.kind))
         with self._lock:
@@ -446,9 +445,7 @@ class OffloadWorker:
             self._integrity_miss(tier, key, info, str(e), dropped=True)
             return None
         except TierError as e:
-            logger.warning("offload: %s", e)
-            with self._lock:
-                self._count(f"num_{tier.kind}_errors")
+            self._tier_failed(tier, e)
             if not tier.shared:  # the bad entry is gone from the tier
                 self._emit(removed_event(info, tier.kind))
             return None
@@ -459,6 +456,17 @@ class OffloadWorker:
             return found
         self._integrity_miss(tier, key, info, f"chunk {key}: {why}", dropped=False)
         return None
+
+    def _tier_failed(self, tier: Tier, e: TierError) -> None:
+        """Count a failed put or load in `num_<kind>_errors`, and a fast failure (the tier
+        backing off, nothing tried) also in `num_<kind>_fast_failures`: logged only at debug
+        level, as the tier logged the failure that started the back-off."""
+        fast = isinstance(e, TierUnavailable)
+        logger.log(logging.DEBUG if fast else logging.WARNING, "offload: %s", e)
+        with self._lock:
+            self._count(f"num_{tier.kind}_errors")
+            if fast:
+                self._count(f"num_{tier.kind}_fast_failures")
 
     def _integrity_miss(
         self, tier: Tier, key: str, info: ChunkInfo, why: str, dropped: bool

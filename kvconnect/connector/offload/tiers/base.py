@@ -5,9 +5,10 @@ thread may call:
 - `put` stores a chunk and returns what it evicted (with the data, so the caller can demote it);
 - `load` returns the chunk as stored (its header's description and its data) or None if
   absent, and raises `TierError` if the entry is bad (checksum, signature: `IntegrityError`) or
-  the tier is unreachable; `get` is its data alone; `remove` and `clear` return what they
-  dropped. Whether what was loaded is what was asked for (tokens, hashes, shape) the worker
-  checks, the same way for every tier (worker.py);
+  the tier is unreachable (`TierUnavailable`: a remote tier backing off did not even try);
+  `get` is its data alone; `remove` and `clear` return what they dropped. Whether what was
+  loaded is what was asked for (tokens, hashes, shape) the worker checks, the same way for
+  every tier (worker.py);
 - `num_held_prefix(chunks)` answers, for chunks given as their per-rank keys, how many from the
   first the tier holds on every rank (the scheduler half asks shared tiers this, off its step
   thread); `TierError` if the tier cannot be asked;
@@ -38,6 +39,11 @@ from kvconnect.events import ExternalBlockHash
 
 class TierError(RuntimeError):
     """A tier could not serve a chunk (corrupt entry, server gone)."""
+
+
+class TierUnavailable(TierError):
+    """A remote tier backing off after its server stopped answering (tiers/backoff.py): the
+    operation was not tried, so it failed at no cost."""
 
 
 class IntegrityError(TierError):

@@ -9,20 +9,24 @@ load miss, recomputed. Workers announce what they store; what Redis drops on its
 maxmemory policy, expiry) the scheduler half learns from Redis's keyspace notifications and
 announces (`redis_watch.py`). A GET that misses or fails a check is a load error and the engine
 recomputes. A server that is down turns into errors that are logged and counted, never into a
-stuck step.
+stuck step; one that stops answering (down, paused, hung) makes the tier back off
+(`backoff.py`): its operations fail at once, counted in `num_fast_failures`, and one probes
+the server now and then (after `backoff_s`, doubling up to `max_backoff_s`) until it answers.
+On a cluster the back-off covers every node: a failover stops the whole tier for a moment.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
-from typing import Any, Self
+from collections.abc import Callable, Sequence
+from typing import Any, Self, TypeVar
 
 import redis
 import torch
 
 from kvconnect.connector.offload.common import ChunkInfo, TierConfig
 from kvconnect.connector.offload.kinds import TierKind
+from kvconnect.connector.offload.tiers.backoff import Backoff
 from kvconnect.connector.offload.tiers.base import (
     Evicted,
     RankKeys,
@@ -31,6 +35,7 @@ from kvconnect.connector.offload.tiers.base import (
     Tier,
     TierError,
     TierPlacement,
+    TierUnavailable,
     pack,
     read_mac_key,
     read_secret,
@@ -39,6 +44,7 @@ from kvconnect.connector.offload.tiers.base import (
 from kvconnect.connector.offload.tiers.redis_client import (
     ERRORS,
     KEY_PREFIX,
+    UNREACHABLE,
     connect,
     redact,
     with_password,
@@ -46,6 +52,7 @@ from kvconnect.connector.offload.tiers.redis_client import (
 from kvconnect.connector.offload.tiers.redis_watch import RedisWatcher
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class RedisTier(Tier):
@@ -58,7 +65,15 @@ class RedisTier(Tier):
         if config.password_file:
             password = read_secret(config.password_file, "password_file").decode()
             url = with_password(url, password)
-        return cls(url, config.ttl_s, config.cluster, config.watch, mac_key)
+        return cls(
+            url,
+            config.ttl_s,
+            config.cluster,
+            config.watch,
+            mac_key,
+            config.backoff_s,
+            config.max_backoff_s,
+        )
 
     def __init__(
         self,
@@ -67,6 +82,8 @@ class RedisTier(Tier):
         cluster: bool = False,
         watch: bool = True,
         mac_key: bytes | None = None,
+        backoff_s: float = 0.5,
+        max_backoff_s: float = 30.0,
     ) -> None:
         self.url = redact(url)
         self.mac_key = mac_key
@@ -77,20 +94,41 @@ class RedisTier(Tier):
         self.watch = watch
         """Follow what the server drops (`watch_removals`)."""
         self._client: Any = None
+        self.backoff = Backoff(backoff_s, max_backoff_s)
+        """Whether operations go to the server now (see the module docstring)."""
         self.num_errors = 0
+        """Operations that failed, fast ones included."""
         try:
             self._client = connect(url, cluster)
         except ERRORS as e:  # a cluster client asks its nodes at once
+            self.backoff.failed()
             self._failed("connect", e)
 
-    def _conn(self) -> Any:
-        """The client; a cluster client that could not be made at start is tried again."""
-        if self._client is None:
-            try:
+    @property
+    def num_fast_failures(self) -> int:
+        """Operations that failed without being tried: the tier was backing off."""
+        return self.backoff.num_fast_failures
+
+    def _run(self, op: str, call: Callable[[Any], T]) -> T:
+        """`call(client)`, unless the tier is backing off (`TierUnavailable`, nothing sent).
+        No answer (`UNREACHABLE`) opens or lengthens the back-off, an answer ends it; either
+        failure is a `TierError`, logged and counted. A cluster client that could not be made
+        at start is made here."""
+        if not self.backoff.allow():
+            self.num_errors += 1
+            raise TierUnavailable(f"redis tier {self.url}: {op} not tried: backing off")
+        try:
+            if self._client is None:
                 self._client = connect(self._raw_url, self.cluster)
-            except ERRORS as e:
-                raise TierError(self._failed("connect", e)) from e
-        return self._client
+            result = call(self._client)
+        except UNREACHABLE as e:
+            self.backoff.failed()
+            raise TierError(self._failed(op, e)) from e
+        except ERRORS as e:
+            self.backoff.succeeded()
+            raise TierError(self._failed(op, e)) from e
+        self.backoff.succeeded()
+        return result
 
     def check_reachable(self) -> None:
         """`ValueError` naming the URL unless the server answers (checked at start)."""
@@ -110,40 +148,32 @@ class RedisTier(Tier):
 
     def contains(self, key: str) -> bool:
         try:
-            return bool(self._conn().exists(KEY_PREFIX + key))
-        except ERRORS as e:
-            self._failed("exists", e)
-            return False
+            return bool(self._run("exists", lambda c: c.exists(KEY_PREFIX + key)))
         except TierError:
             return False
 
     def put(self, key: str, info: ChunkInfo, data: torch.Tensor) -> list[Evicted]:
         value = b"".join(pack(key, info, data, self.mac_key))
-        try:
-            self._conn().set(KEY_PREFIX + key, value, px=self.ttl_ms)
-        except ERRORS as e:
-            raise TierError(self._failed("set", e)) from e
+        self._run("set", lambda c: c.set(KEY_PREFIX + key, value, px=self.ttl_ms))
         return []
 
     def load(self, key: str) -> StoredChunk | None:
-        try:
-            blob = self._conn().get(KEY_PREFIX + key)
-        except ERRORS as e:
-            raise TierError(self._failed("get", e)) from e
+        blob = self._run("get", lambda c: c.get(KEY_PREFIX + key))
         if blob is None:
             return None
         return StoredChunk(*unpack(blob, key, self.mac_key))
 
     def num_held_prefix(self, chunks: Sequence[Sequence[str]]) -> int:
         """One pipelined round trip: an EXISTS of every rank's key per chunk."""
-        try:
+
+        def exists_each(client: Any) -> list[int]:
             # Each chunk's keys share a hash slot (see chunk_key): one EXISTS, also on a cluster.
-            pipe = self._conn().pipeline(transaction=False)
+            pipe = client.pipeline(transaction=False)
             for keys in chunks:
                 pipe.exists(*[KEY_PREFIX + k for k in keys])
-            counts = pipe.execute()
-        except ERRORS as e:
-            raise TierError(self._failed("exists", e)) from e
+            return list(pipe.execute())
+
+        counts = self._run("exists", exists_each)
         num = 0
         while num < len(chunks) and counts[num] == len(chunks[num]):
             num += 1
@@ -161,6 +191,8 @@ class RedisTier(Tier):
     def _failed(self, op: str, e: Exception) -> str:
         self.num_errors += 1
         msg = f"redis tier {self.url}: {op} failed: {e}"
+        if self.backoff.is_open:
+            msg += f" (backing off: the next try in {self.backoff.delay_s:.1f} s)"
         logger.warning(msg)
         return msg
 

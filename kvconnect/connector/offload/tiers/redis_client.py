@@ -1,5 +1,6 @@
 """What the redis tier and its watcher share of Redis: the key prefix of every chunk, the
-errors a server or cluster raises, clients made with short timeouts, and URLs fit for logs.
+errors a server or cluster raises (and which of them mean it did not answer), clients made
+with short timeouts, and URLs fit for logs.
 
 Its own module so that the tier (redis.py) can make its watcher (redis_watch.py) while both
 use these, with no import cycle between the two.
@@ -19,6 +20,14 @@ KEY_PREFIX = "kvconnect:"
 ERRORS = (redis.RedisError, RedisClusterException)
 """What a server or cluster that is down or failing over raises (the cluster client's own
 "no node reachable" is not a RedisError)."""
+UNREACHABLE = (
+    redis.ConnectionError,
+    redis.TimeoutError,
+    redis.exceptions.ClusterError,
+    RedisClusterException,
+)
+"""The errors that say no server answered (refused, reset, timed out, a cluster with no node
+or slot reachable; the tier backs off on these); another error is an answer (an OOM reply)."""
 
 
 def redact(url: str) -> str:
