@@ -368,7 +368,9 @@ class OffloadWorker:
     def _put(self, index: int, key: str, info: ChunkInfo, data: torch.Tensor) -> None:
         """Put into tier `index`, demoting what it evicts to the next local tier."""
         tier = self.tiers[index]
-        if tier.contains(key) and not tier.shared:
+        # A shared tier is written through: asking it first cost a round trip (and, with the
+        # server hung, a timeout) whose answer was not used.
+        if not tier.shared and tier.contains(key):
             return
         try:
             evicted = tier.put(key, info, data)
