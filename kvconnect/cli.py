@@ -197,7 +197,8 @@ def _router_flags(commands: Commands, common: Parser) -> None:
         "--instance",
         action="append",
         required=True,
-        help="URL,EVENTS_ENDPOINT[,REPLAY_ENDPOINT]; repeat per instance",
+        help="URL,EVENTS_ENDPOINT[,REPLAY_ENDPOINT]; repeat per instance. The URL is http:// "
+        "(port 80 when it gives none); https:// is refused: TLS to instances is not supported yet",
     )
     r.add_argument("--host", default="127.0.0.1", help="bind address")
     r.add_argument("--port", type=port, default=9000, help="HTTP port")

@@ -19,6 +19,7 @@ import logging
 import threading
 from collections import Counter
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 import msgspec
 
@@ -48,6 +49,9 @@ class _Answer(msgspec.Struct):
 _USAGE = msgspec.json.Decoder(_Answer)
 """An answer's usage alone (the rest of the body is skipped in C)."""
 
+HTTP_DEFAULT_PORT = 80
+"""An instance URL without a port means this one (`Instance.port`)."""
+
 StaleCheck = tuple[list[int], str | None]
 """(prompt token ids, cache salt): what to check an answer's cached tokens against."""
 
@@ -65,20 +69,46 @@ class Instance:
     def name(self) -> str:
         return self.url
 
+    @property
+    def port(self) -> int:
+        """The instance's HTTP port: 80 when its URL gives none, as for any http:// URL."""
+        return urlsplit(self.url).port or HTTP_DEFAULT_PORT
+
     @classmethod
     def parse(cls, spec: str) -> Instance:
-        """`URL,EVENTS_ENDPOINT[,REPLAY_ENDPOINT]`."""
+        """`URL,EVENTS_ENDPOINT[,REPLAY_ENDPOINT]`, the URL an http:// one (`check_url`)."""
         parts = spec.split(",")
         if (
             len(parts) not in (2, 3)
-            or not parts[0].startswith(("http://", "https://"))
+            or "://" not in parts[0]
             or not all(p.startswith(("tcp://", "ipc://", "inproc://")) for p in parts[1:])
         ):
             raise ValueError(
                 f"--instance {spec!r}: expected URL,EVENTS_ENDPOINT[,REPLAY_ENDPOINT] "
                 "(e.g. http://127.0.0.1:8001,tcp://127.0.0.1:18001,tcp://127.0.0.1:28001)"
             )
+        check_url(parts[0])
         return cls(parts[0].rstrip("/"), parts[1], parts[2] if len(parts) == 3 else None)
+
+
+def check_url(url: str) -> None:
+    """`ValueError` naming `--instance` unless `url` is http:// with a host and a valid port.
+    The relay speaks plain HTTP only: an https:// instance would get the client's key and
+    prompt in clear (on port 80 when none is given), so it is refused, never downgraded."""
+    parts = urlsplit(url)
+    if parts.scheme.lower() != "http":
+        raise ValueError(
+            f"--instance {url!r}: TLS to instances is not supported yet (and never plaintext "
+            "in its place); give an http:// URL reachable over a trusted network or a tunnel"
+        )
+    try:
+        port = parts.port  # urlsplit checks the port only when asked for it
+    except ValueError:
+        port = -1
+    if port is not None and not 1 <= port <= 65535:
+        raise ValueError(f"--instance {url!r}: its port is not 1-65535")
+    if not parts.hostname:
+        raise ValueError(f"--instance {url!r}: no host")
 
 
 class Router:

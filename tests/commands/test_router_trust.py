@@ -1,0 +1,60 @@
+"""`kvconnect router` (a real process) refuses at start what would leak a key: an instance it
+could reach only in plaintext although its URL asks for TLS, and an instance key presented on
+behalf of clients that nobody authenticates (an open relay). Each refusal is one line and exit
+status 2, before the router serves anything."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvconnect.router.core import Instance
+from tests.helpers import free_port
+from tests.serving import Process
+
+EVENTS = "tcp://127.0.0.1:1"
+
+
+def router(tmp: Path, *args: str) -> Process:
+    """`kvconnect router --model tiny ARGS` on a free port, not started yet."""
+    port = free_port()
+    return Process(["router", "--model", "tiny", "--port", str(port), *args], tmp / f"{port}.log")
+
+
+def refusal(tmp: Path, *args: str) -> str:
+    """The one line `kvconnect router ARGS` exits with (status 2) instead of serving."""
+    proc = router(tmp, *args)
+    try:
+        proc.start(timeout=60)
+    except AssertionError:
+        pass
+    else:
+        proc.kill()
+        pytest.fail(f"the router started and served: {proc.ready_line}")
+    assert proc.proc is not None and proc.proc.returncode == 2, proc.logs()
+    lines = [line for line in proc.logs().splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("kvconnect router: error: "), lines
+    return lines[0]
+
+
+@pytest.fixture(autouse=True)
+def no_keys_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("KVCONNECT_API_KEY", "KVCONNECT_INSTANCE_API_KEY", "KVCONNECT_ADMIN_TOKEN"):
+        monkeypatch.delenv(name, raising=False)
+
+
+@pytest.mark.parametrize("url", ["https://127.0.0.1:8443", "https://example.test", "ftp://h:1"])
+def test_an_instance_that_is_not_http_is_refused_never_reached_in_plaintext(
+    tmp_path: Path, url: str
+) -> None:
+    line = refusal(tmp_path, "--instance", f"{url},{EVENTS}")
+    assert "--instance" in line and url in line, line
+    assert "TLS to instances is not supported yet" in line, line
+
+
+def test_an_http_instance_without_a_port_is_port_80() -> None:
+    assert Instance.parse(f"http://10.0.0.1,{EVENTS}").port == 80
+    assert Instance.parse(f"http://10.0.0.1:8001/,{EVENTS}").port == 8001
+    with pytest.raises(ValueError, match=r"--instance.*99999"):
+        Instance.parse(f"http://10.0.0.1:99999,{EVENTS}")
