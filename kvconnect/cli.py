@@ -225,7 +225,14 @@ def _router_flags(commands: Commands, common: Parser) -> None:
     r.add_argument(
         "--instance-api-key",
         help="the key the router presents to instances (Authorization: Bearer), in place of "
-        "the client's, which is forwarded otherwise (default: $KVCONNECT_INSTANCE_API_KEY)",
+        "the client's, which is forwarded otherwise (default: $KVCONNECT_INSTANCE_API_KEY); "
+        "needs --api-key, else --allow-unauthenticated",
+    )
+    r.add_argument(
+        "--allow-unauthenticated",
+        action="store_true",
+        help="with --instance-api-key and no --api-key, serve anyway: every client that reaches "
+        "the router may then use the instances' key (an open relay)",
     )
     r.add_argument(
         "--upstream-timeout",

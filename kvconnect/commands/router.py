@@ -53,6 +53,7 @@ def run_router_command(args: argparse.Namespace) -> int:
         instance_api_key=instance_api_key_from(args.instance_api_key),
         upstream_timeout=args.upstream_timeout,
         limits=ConnectionLimits(args.max_connections, args.header_timeout, args.body_timeout),
+        allow_unauthenticated=args.allow_unauthenticated,
     )
     check_port_free(args.host, args.port, "--port")
     tokenizer = load_tokenizer(args.model)

@@ -87,13 +87,27 @@ class RouterOptions:
     upstream_timeout: float = READ_TIMEOUT_S
     """Seconds an instance that took a request may stay silent (`http/client.py`)."""
     limits: ConnectionLimits = field(default_factory=ConnectionLimits)
+    allow_unauthenticated: bool = False
+    """Present `instance_api_key` even to clients that no `api_key` checks (an open relay)."""
 
     def __post_init__(self) -> None:
         key = self.instance_api_key
         if key is not None and (not key.strip() or any(c in key for c in "\r\n")):
             raise ValueError("--instance-api-key: empty, or has a line break in it")
+        self._check_not_an_open_relay()
         if not 0 < self.upstream_timeout < float("inf"):
             raise ValueError(f"--upstream-timeout {self.upstream_timeout}: must be positive")
+
+    def _check_not_an_open_relay(self) -> None:
+        """The instances' key lent to anyone: a client the instances would answer 401 gets
+        through the router with their key. Only on purpose (`--allow-unauthenticated`)."""
+        open_relay = self.instance_api_key is not None and self.api_key is None
+        if open_relay and not self.allow_unauthenticated:
+            raise ValueError(
+                "--instance-api-key without --api-key: any client could use the instances' "
+                "key through the router; set --api-key (or $KVCONNECT_API_KEY), or pass "
+                "--allow-unauthenticated to run an open relay on purpose"
+            )
 
 
 def _none_in_rotation() -> Response:

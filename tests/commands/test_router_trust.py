@@ -58,3 +58,18 @@ def test_an_http_instance_without_a_port_is_port_80() -> None:
     assert Instance.parse(f"http://10.0.0.1:8001/,{EVENTS}").port == 8001
     with pytest.raises(ValueError, match=r"--instance.*99999"):
         Instance.parse(f"http://10.0.0.1:99999,{EVENTS}")
+
+
+def test_an_instance_key_without_a_client_key_is_refused_unless_allowed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    instance = f"http://127.0.0.1:{free_port()},{EVENTS}"
+    line = refusal(tmp_path, "--instance", instance, "--instance-api-key", "k" * 16)
+    for name in ("--instance-api-key", "--api-key", "--allow-unauthenticated"):
+        assert name in line, line
+    monkeypatch.setenv("KVCONNECT_INSTANCE_API_KEY", "k" * 16)  # the same from the environment
+    assert "--allow-unauthenticated" in refusal(tmp_path, "--instance", instance)
+    for extra in (["--allow-unauthenticated"], ["--api-key", "client-key"]):
+        proc = router(tmp_path, "--instance", instance, *extra)
+        proc.start(timeout=60)
+        assert proc.stop() == 0, proc.logs()
