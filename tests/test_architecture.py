@@ -20,7 +20,7 @@ PACKAGE = ROOT / "kvconnect"
 DOC = ROOT / "docs" / "architecture.md"
 
 VOCABULARY = {"config", "hashing", "events", "messages"}
-MODEL_TORCH_FREE = {"model.source", "model.gguf_file", "model.tokenizer"}
+MODEL_TORCH_FREE = {"model.source", "model.file_digest", "model.gguf_file", "model.tokenizer"}
 """What `--model` names, its file and its tokenizer: the part of `model/` the router imports."""
 BASE = VOCABULARY | MODEL_TORCH_FREE
 """Modules that import nothing from the package but each other."""

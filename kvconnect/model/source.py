@@ -21,6 +21,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from kvconnect.model.file_digest import file_digest
 from kvconnect.model.gguf_file import GGUFFile
 
 SMOLLM2 = "smollm2"
@@ -90,16 +91,12 @@ def gguf_tensor_names(path: Path) -> set[str]:
     return set(gguf_file(path).tensors)
 
 
-SAMPLE_BYTES = 1 << 20
-"""Of each weights file, the first and last this many bytes go into its identity."""
-
-
 def weights_identity(model: str) -> str:
-    """A cheap identity of `model`'s weights and config, the same on every host that has the
-    same files (no path, no mtime): per file its name, size and a digest of its first and last
-    MiB (a header alone would not tell two fine-tunes of one architecture apart; the last MiB
-    is weights). "tiny" is the name alone (its weights are seeded: the caller adds the seed).
-    `ValueError` as `resolve_model`."""
+    """The identity of `model`'s weights and config, the same on every host that has the
+    same files (no path, no mtime): per file its name, size and the sha256 of all its bytes
+    (`file_digest`: hashed once, then remembered while the file is unchanged). "tiny" is the
+    name alone (its weights are seeded: the caller adds the seed). `ValueError` as
+    `resolve_model`."""
     source = resolve_model(model)
     if source.path is None:
         return source.kind.value
@@ -110,13 +107,4 @@ def weights_identity(model: str) -> str:
 
 
 def _file_identity(path: Path) -> str:
-    import hashlib
-
-    size = path.stat().st_size
-    digest = hashlib.blake2b(digest_size=16)
-    with path.open("rb") as f:
-        digest.update(f.read(SAMPLE_BYTES))
-        if size > SAMPLE_BYTES:
-            f.seek(max(SAMPLE_BYTES, size - SAMPLE_BYTES))
-            digest.update(f.read(SAMPLE_BYTES))
-    return f"{path.name}:{size}:{digest.hexdigest()}"
+    return f"{path.name}:{path.stat().st_size}:{file_digest(path)}"

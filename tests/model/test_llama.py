@@ -58,7 +58,7 @@ def test_paged_attention_matches_dense_attention_for_chunks_and_scattered_blocks
     torch.testing.assert_close(out, expected)
 
 
-def write_checkpoint(tmp: Path, arch: str) -> Path:
+def write_checkpoint(tmp: Path, arch: str, intermediate_size: int = 128) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     cfg_cls, model_cls = {
@@ -69,7 +69,7 @@ def write_checkpoint(tmp: Path, arch: str) -> Path:
     config = cfg_cls(
         vocab_size=64,
         hidden_size=64,
-        intermediate_size=128,
+        intermediate_size=intermediate_size,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
