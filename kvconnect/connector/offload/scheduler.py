@@ -15,6 +15,7 @@ the step thread (`lookup.PrefixLookup`): the request waits a step for the answer
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -33,6 +34,7 @@ from kvconnect.connector.offload.common import (
     OffloadMetadata,
     OffloadWorkerMetadata,
     SaveSpec,
+    TierConfig,
     chunk_key,
     key_namespace,
 )
@@ -47,6 +49,8 @@ from kvconnect.events import (
 )
 from kvconnect.hashing import request_extra_keys, to_event, to_wire
 
+logger = logging.getLogger(__name__)
+
 MAX_UNCONFIRMED = 1 << 16
 """Saved chunks whose shared store is not yet confirmed, remembered for the watcher."""
 
@@ -59,6 +63,21 @@ class _Tracked:
     block_hashes: list[bytes]
     cache_salt: str | None = None
     next_chunk: int = 0
+
+
+def warn_unsigned(tiers: tuple[TierConfig, ...]) -> None:
+    """One WARNING per shared tier without `hmac_key_file`, from the scheduler half (one per
+    engine, where the workers' tiers would say it once per rank): its header checksums stop
+    accidents only, so whoever can write to the store can plant chunks that this instance
+    loads as its own KV and that change its outputs (docs/security.md, "Signed chunks")."""
+    for i, tier in enumerate(tiers):
+        if tier.kind.shared and not tier.hmac_key_file:
+            logger.warning(
+                "tiers[%d] (%s) has no hmac_key_file: anyone who can write to the Redis can "
+                "feed this instance KV that changes its outputs; set hmac_key_file",
+                i,
+                tier.kind.value,
+            )
 
 
 class OffloadScheduler:
@@ -83,6 +102,7 @@ class OffloadScheduler:
         self.watcher: RemovalWatcher | None = None
         shared = [t for t in config.tiers if t.kind.shared]
         self._shared_kind = shared[0].kind if shared else None
+        warn_unsigned(config.tiers)
         if shared:
             placement = TierPlacement(context.world_size, rank=0, namespace=self.namespace)
             tier = create_tier(shared[0], placement)
