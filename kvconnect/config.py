@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import stat
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -28,6 +29,22 @@ def vllm_binds(endpoint: str) -> bool:
     """vLLM's rule: a publisher binds wildcard (`*`, `::`), ipc and inproc addresses and
     connects to any other (a collector's)."""
     return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+
+
+SECRET_FILE_OPEN_BITS = 0o077
+"""Any permission for group or others: a secret file with one of them is refused."""
+
+
+def check_secret_mode(path: str, st_mode: int) -> None:
+    """`ValueError` naming `path` and its mode when group or others may read or write it (as
+    ssh refuses such a key): a CURVE secret key, a tier's `hmac_key_file` or `password_file`
+    that another user can read gives away the stream, the signatures or the store, and one
+    that they can write lets them swap it. Every reader of a secret file calls this."""
+    if st_mode & SECRET_FILE_OPEN_BITS:
+        raise ValueError(
+            f"{path} is mode {stat.S_IMODE(st_mode):04o}: a secret file must not be readable or "
+            f"writable by group or others (chmod 600 {path})"
+        )
 
 
 def _fail(cls_name: str, field_name: str, value: object, why: str) -> ValueError:

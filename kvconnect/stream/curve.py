@@ -4,8 +4,8 @@ that hold the publisher's public key. Off by default, so vLLM's peers keep worki
 Keys are ZMQ certificate files, the format `zmq.auth` reads and writes (no pickling: text
 lines `public-key = "<Z85>"`, `secret-key = "<Z85>"`). One command makes a pair of each:
 
-    python -c "import zmq.auth as a; a.create_certificates('keys', 'server'); \
-a.create_certificates('keys', 'client')"
+    (umask 077; python -c "import zmq.auth as a; a.create_certificates('keys', 'server'); \
+a.create_certificates('keys', 'client')")
 
 which writes `keys/server.key` (public), `keys/server.key_secret` (public and secret) and the
 same for `client`. Who holds what:
@@ -20,12 +20,15 @@ that knows the server's public key is admitted, so hand that file out like a pas
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import zmq
 import zmq.auth
 from zmq.utils import z85
+
+from kvconnect.config import check_secret_mode
 
 
 def _key(path: str, text: bytes | None, what: str) -> bytes:
@@ -41,12 +44,15 @@ def _key(path: str, text: bytes | None, what: str) -> bytes:
 
 
 def load_keys(path: str, *, secret: bool) -> tuple[bytes, bytes | None]:
-    """(public, secret) keys of the certificate at `path`; with `secret`, the secret key
-    must be there and belong to the public one. ValueError naming the file otherwise."""
+    """(public, secret) keys of the certificate at `path`; with `secret`, the file must be
+    its owner's alone (`check_secret_mode`) and the secret key must be there and belong to
+    the public one. ValueError naming the file otherwise."""
     if not zmq.has("curve"):
         raise ValueError("CURVE keys given, but this libzmq was built without CURVE")
     if not Path(path).is_file():
         raise ValueError(f"{path}: no such key file")
+    if secret:
+        check_secret_mode(path, os.stat(path).st_mode)
     try:
         public, secret_key = zmq.auth.load_certificate(path)
     except (OSError, ValueError) as e:

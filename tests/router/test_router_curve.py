@@ -3,6 +3,7 @@ two environment variables); without them it learns nothing from such a stream.""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import zmq.auth
@@ -23,6 +24,7 @@ def test_a_router_with_the_keys_follows_a_curve_stream_and_one_without_learns_no
     keys = {}
     for name in ("server", "client"):
         public, secret = zmq.auth.create_certificates(tmp_path, name)
+        os.chmod(secret, 0o600)  # a secret key open to others is refused
         keys[name], keys[name + "_secret"] = str(public), str(secret)
     curve = curve_from_env(
         {CURVE_SERVER_KEY_ENV: keys["server"], CURVE_CLIENT_KEY_ENV: keys["client_secret"]}

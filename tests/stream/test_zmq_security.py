@@ -158,12 +158,16 @@ def test_a_batch_over_the_subscribers_limit_cuts_that_connection_and_it_comes_ba
 
 @pytest.fixture
 def keys(tmp_path: Path) -> dict[str, str]:
-    """Certificates as the documented one-liner writes them: server, client, and an intruder
-    pair that is not the server's."""
+    """Certificates as the documented one-liner writes them (under `umask 077`: the owner's
+    alone): server, client, and an intruder pair that is not the server's."""
     out = {}
-    for name in ("server", "client", "other"):
-        public, secret = zmq.auth.create_certificates(tmp_path, name)
-        out[name], out[name + "_secret"] = str(public), str(secret)
+    old_umask = os.umask(0o077)
+    try:
+        for name in ("server", "client", "other"):
+            public, secret = zmq.auth.create_certificates(tmp_path, name)
+            out[name], out[name + "_secret"] = str(public), str(secret)
+    finally:
+        os.umask(old_umask)
     return out
 
 
@@ -242,6 +246,8 @@ def test_bad_key_files_are_clear_errors(keys: dict[str, str], tmp_path: Path) ->
     mismatched.write_text(
         server.replace(secret_line, f'    secret-key = "{other_secret.decode()}"')
     )
+    for written in (garbage, mismatched):
+        written.chmod(0o600)
     for path, why in (
         (tmp_path / "missing", "no such key file"),
         (garbage, "not 40 Z85 characters"),

@@ -95,10 +95,11 @@ def test_the_key_file_is_checked_at_start(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="holds 5 bytes, needs at least 16"):
         read_mac_key(str(path))
     path.write_bytes(b"  0123456789abcdef0123\n")
-    path.chmod(0o644)
-    with pytest.raises(ValueError, match="readable by every user"):
-        read_mac_key(str(path))
-    path.chmod(0o640)
+    for mode in (0o644, 0o640, 0o620):
+        path.chmod(mode)
+        with pytest.raises(ValueError, match=f"mode 0{mode:o}: a secret file must not"):
+            read_mac_key(str(path))
+    path.chmod(0o600)
     assert read_mac_key(str(path)) == b"0123456789abcdef0123"
     with pytest.raises(ValueError, match="not a regular file"):
         read_mac_key(str(tmp_path))
@@ -259,7 +260,7 @@ def test_a_redis_password_file_is_checked_and_exclusive_of_a_url_password(tmp_pa
     secret.write_text("pw\n")
     secret.chmod(0o644)
     tier = TierConfig(kind=TierKind.REDIS, url="redis://127.0.0.1:1/0", password_file=str(secret))
-    with pytest.raises(ValueError, match=r"password_file .* readable by every user"):
+    with pytest.raises(ValueError, match=r"password_file .* is mode 0644: a secret file"):
         RedisTier.from_config(tier, PLACEMENT)
     with pytest.raises(ValueError, match="a password in its url and a password_file"):
         TierConfig(kind=TierKind.REDIS, url="redis://:x@127.0.0.1:1/0", password_file=str(secret))

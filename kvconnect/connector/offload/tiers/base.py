@@ -32,6 +32,7 @@ import numpy as np
 import torch
 import xxhash
 
+from kvconnect.config import check_secret_mode
 from kvconnect.connector.offload.common import ChunkInfo, TierConfig
 from kvconnect.connector.offload.kinds import TierKind
 from kvconnect.events import ExternalBlockHash
@@ -363,7 +364,8 @@ MIN_KEY_BYTES = 16
 def read_secret(path: str, field: str, min_bytes: int = 1) -> bytes:
     """The secret in the file `path` (a tier's `field`), surrounding whitespace stripped;
     `ValueError` naming the field and what is wrong: missing, unreadable, shorter than
-    `min_bytes`, or readable by every user (refused, as ssh refuses such a key)."""
+    `min_bytes`, or open to group or others (`check_secret_mode`). Read from the file it
+    checked (fstat on the open descriptor): a swap between check and read changes nothing."""
     where = f"{field} {path!r}"
     try:
         fd = os.open(path, os.O_RDONLY)
@@ -373,10 +375,7 @@ def read_secret(path: str, field: str, min_bytes: int = 1) -> bytes:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise ValueError(f"{where}: not a regular file")
-        if st.st_mode & stat.S_IROTH:
-            raise ValueError(
-                f"{where}: readable by every user (mode {stat.S_IMODE(st.st_mode):o}); chmod o-r it"
-            )
+        check_secret_mode(where, st.st_mode)
         secret = os.read(fd, 1 << 16).strip()
     finally:
         os.close(fd)
