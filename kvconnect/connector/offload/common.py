@@ -70,12 +70,14 @@ class TierConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Redis: the longest wait between probes (at least `backoff_s`): how long a server that
     came back may go unused."""
     password_file: str = ""
-    """Redis: a file holding the password (not readable by every user), used with the URL's
-    user if it names one; keeps the password out of command lines and config JSON."""
+    """Redis: a file holding the password (its owner's alone: mode 0600, else refused at
+    start; see config.check_secret_mode), used with the URL's user if it names one; keeps
+    the password out of command lines and config JSON."""
     hmac_key_file: str = ""
-    """Disk, redis: a file holding a deployment secret (at least 16 bytes, not readable by
-    every user, checked at start); chunks are then HMAC-signed and an unsigned or wrongly
-    signed entry is a miss. Every instance sharing the tier must name the same key."""
+    """Disk, redis: a file holding a deployment secret (at least 16 bytes, mode 0600, checked
+    at start); chunks are then HMAC-signed and an unsigned or wrongly signed entry is a miss.
+    Every instance sharing the tier must name the same key. A redis tier without one is a
+    WARNING at start (`scheduler.warn_unsigned`)."""
 
     def __post_init__(self) -> None:
         # `==`, not `is`: a TierConfig built in code may name its kind by the plain string.
