@@ -50,6 +50,21 @@ class Process:
             self.new_ports()
         return self._start(timeout)
 
+    def refusal(self, timeout: float = READY_TIMEOUT_S) -> str:
+        """The one error line the command exits with (status 2, a bad flag or file) instead
+        of becoming ready."""
+        try:
+            self.start(timeout)
+        except AssertionError:
+            pass
+        else:
+            self.kill()
+            raise AssertionError(f"it started and served: {self.ready_line}")
+        assert self.proc is not None and self.proc.returncode == 2, self.logs()
+        errors = [line for line in self.logs().splitlines() if ": error: " in line]
+        assert len(errors) == 1, self.logs()
+        return errors[0]
+
     def port_taken(self) -> bool:
         """Whether the start that just failed found a port of its in use."""
         return "Address already in use" in self.logs()
@@ -204,8 +219,20 @@ def get(url: str, timeout: float = 10.0) -> tuple[int, Any]:
 
 
 def post(url: str, body: bytes | dict[str, Any], timeout: float = 60.0) -> tuple[int, Any, Any]:
-    data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    return request(url, body, timeout=timeout)
+
+
+def request(
+    url: str,
+    body: bytes | dict[str, Any] | None = None,
+    headers: dict[str, str] | None = None,
+    timeout: float = 60.0,
+) -> tuple[int, Any, Any]:
+    """A GET (no `body`) or a POST of JSON: the status, the answer's JSON (its text if it is
+    not JSON) and its headers, whatever the status."""
+    data = body if body is None or isinstance(body, bytes) else json.dumps(body).encode()
+    head = {"Content-Type": "application/json", **(headers or {})}
+    req = urllib.request.Request(url, data=data, headers=head)
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             raw, status, headers = resp.read(), resp.status, resp.headers

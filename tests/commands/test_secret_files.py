@@ -30,17 +30,7 @@ def certificates(tmp: Path, mode: int) -> tuple[str, str, str]:
 
 def refusal(proc: Process) -> str:
     """The one error line `proc` exits with (status 2) instead of becoming ready."""
-    try:
-        proc.start(timeout=120)
-    except AssertionError:
-        pass
-    else:
-        proc.kill()
-        pytest.fail(f"started although a secret file is open to others: {proc.ready_line}")
-    assert proc.proc is not None and proc.proc.returncode == 2, proc.logs()
-    errors = [line for line in proc.logs().splitlines() if ": error: " in line]
-    assert len(errors) == 1, proc.logs()
-    return errors[0]
+    return proc.refusal(timeout=120)
 
 
 def serve_with_curve(tmp: Path, secret_key_file: str) -> Serve:

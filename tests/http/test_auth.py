@@ -4,16 +4,13 @@ and the router either forwarding the client's key or presenting its own to the i
 
 from __future__ import annotations
 
-import json
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 from kvconnect.http.auth import BearerAuth, api_key_from, secret_from
-from tests.serving import RouterProcess, Serve
+from tests.serving import RouterProcess, Serve, request
 
 pytestmark = pytest.mark.slow
 
@@ -43,19 +40,7 @@ def served(
 def call(
     url: str, authorization: str | None, body: dict[str, Any] | None = None
 ) -> tuple[int, Any, Any]:
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
-    if authorization is not None:
-        req.add_header("Authorization", authorization)
-    try:
-        with urllib.request.urlopen(req, timeout=60) as resp:
-            raw, status, headers = resp.read(), resp.status, resp.headers
-    except urllib.error.HTTPError as e:
-        raw, status, headers = e.read(), e.code, e.headers
-    try:
-        return status, json.loads(raw), headers
-    except ValueError:
-        return status, raw.decode(errors="replace"), headers
+    return request(url, body, None if authorization is None else {"Authorization": authorization})
 
 
 @pytest.mark.parametrize("which", ["serve", "router"])
