@@ -63,6 +63,8 @@ this long, this much) before the close: closing on unread bytes sends a reset, w
 discard the answer before the client reads it (nginx's lingering close)."""
 _TOKEN = frozenset(b"!#$%&'*+-.^_`|~0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
 _HEX = frozenset(b"0123456789abcdefABCDEF")
+_VISIBLE = bytes(range(33, 127))
+"""The bytes a request target may hold (RFC 9112 3.2): deleting them leaves what may not."""
 _REASONS = {s.value: s.phrase.encode() for s in HTTPStatus}
 
 
@@ -122,8 +124,10 @@ def parse_head(head: bytes) -> Request:
         if version.startswith(b"HTTP/"):
             raise BadRequest("only HTTP/1.0 and HTTP/1.1 are served", 505)
         raise BadRequest("malformed request line")
-    if not target.startswith(b"/") or any(c <= 32 or c == 127 for c in target):
+    if not target.startswith(b"/"):
         raise BadRequest("the request target must be a path (origin form)")
+    if target.translate(None, _VISIBLE):  # one pass in C; non-ASCII would not decode below
+        raise BadRequest("the request target holds a byte that is not visible ASCII")
     if len(lines) - 1 > MAX_HEADERS:
         raise BadRequest(f"more than {MAX_HEADERS} headers", 431)
     headers: dict[str, str] = {}
