@@ -19,6 +19,8 @@ One connection, one request at a time (a pipelined one waits in the buffer):
         |                  answer) --> closed
         |-- malformed head, unknown framing --> 400 (431, 505), closed
         |-- declared body over MAX_BODY_BYTES --> 413 at once, closed
+        |-- no key, no route, wrong method --> 401/404/405 at once (no `100 Continue`, no
+        |   body byte read); closed, unless the whole body came with the head
     waiting for the body (`Expect: 100-continue` answered) -- body_timeout --> 408, closed
         |   Content-Length or chunked; gzip/deflate decoded (at most MAX_BODY_BYTES)
     the handler runs as a task -- the client goes away --> the task is cancelled (the
@@ -27,9 +29,10 @@ One connection, one request at a time (a pipelined one waits in the buffer):
         |           while the transport's buffer is full) --> waiting for the next head
         '-- `Connection: close`, HTTP/1.0 --> closed
 
-Requests are checked before routing: bearer auth (`auth.py`; 401), then 404/405 in
-OpenAI's error shape. Every request gets one access-log line (`access_log.py`), the same
-as serve's; an unexpected exception is a logged 500.
+Requests are checked on their head: bearer auth (`auth.py`; 401), then 404/405 in
+OpenAI's error shape, so a client without a key never makes the server hold a body. Every
+request gets one access-log line (`access_log.py`), the same as serve's; an unexpected
+exception is a logged 500.
 """
 
 from __future__ import annotations
@@ -219,6 +222,8 @@ class _Connection(asyncio.Protocol):
         """Bytes of the buffer already searched for the end of a head."""
         self.request: Request | None = None
         """A request whose head has arrived and whose body is still coming."""
+        self.answer: Handler | Response | None = None
+        """What answers `request`: its handler, or the refusal its head earned (401, 404, 405)."""
         self.length: int | None = 0
         self.chunks: list[bytes] = []
         self.chunked_size = 0
@@ -301,22 +306,29 @@ class _Connection(asyncio.Protocol):
                 request = parse_head(bytes(self.buffer[:end]))
                 del self.buffer[: end + 4]
                 self.length = body_length(request)
-                self.request = request
+                self.answer = self.server.admit(request)
                 complete = self.length is not None and len(self.buffer) >= self.length
                 if not complete:
+                    if isinstance(self.answer, Response):
+                        self._refuse_unread(request, self.answer)
+                        return
                     if request.headers.get("expect", "").lower() == "100-continue":
                         self._write(b"HTTP/1.1 100 Continue\r\n\r\n")
                     self._arm(self.server.limits.body_timeout)
+                self.request = request
             body = self._body()
             if body is None:
                 return
             request, self.request = self.request, None
-            request.body = decoded(request, body)
+            answer = self.answer
+            assert answer is not None  # set with `request`
+            if not isinstance(answer, Response):  # a refused body is dropped undecoded
+                request.body = decoded(request, body)
         except BadRequest as e:
             self._refuse(e.status, str(e))
             return
         self._disarm()
-        self.task = self.loop.create_task(self._run(request))
+        self.task = self.loop.create_task(self._run(request, answer))
 
     def _body(self) -> bytes | None:
         """The whole body once it has arrived, else None."""
@@ -368,6 +380,21 @@ class _Connection(asyncio.Protocol):
         end where a next request would begin)."""
         access_log.info("- - %d refused: %s", status, message)
         self._write(_error_bytes(status, message))
+        self._linger()
+
+    def _refuse_unread(self, request: Request, refusal: Response) -> None:
+        """Answer a request refused on its head (401, 404, 405) whose body has not all come:
+        none of it is read, so a client without a key makes the server hold nothing (no
+        `100 Continue` either); the connection closes after the answer, as after any
+        refusal. A body that came with its head is dropped and the connection serves on."""
+        log_access(request.method, request.path, refusal.status, time.monotonic(), None)
+        head = _head(refusal, keep_alive=False) + b"Content-Length: %d\r\n\r\n" % len(refusal.body)
+        self._write(bytes(head) + refusal.body)
+        self._linger()
+
+    def _linger(self) -> None:
+        """Close after an answer to bytes left unread: what still comes is read and dropped
+        first (`LINGER_S`, `LINGER_BYTES`)."""
         self._disarm()
         self.buffer.clear()
         self.lingering = 0
@@ -406,12 +433,15 @@ class _Connection(asyncio.Protocol):
 
     # -- running it ----------------------------------------------------------------------------
 
-    async def _run(self, request: Request) -> None:
+    async def _run(self, request: Request, answer: Handler | Response) -> None:
         start = time.monotonic()
         status = 500
         response: Response | None = None
         try:
-            response = await self.server.respond(request)
+            if isinstance(answer, Response):
+                response = answer
+            else:
+                response = await self.server.respond(request, answer)
             status = response.status
             await self._send(request, response)
         except asyncio.CancelledError:
@@ -489,8 +519,9 @@ class H1Server:
         loop = asyncio.get_running_loop()
         self._server = await loop.create_server(lambda: _Connection(self), host, port, backlog=512)
 
-    async def respond(self, request: Request) -> Response:
-        """Auth, routing, the handler; never raises but on cancellation."""
+    def admit(self, request: Request) -> Handler | Response:
+        """The request's handler, or the answer refusing it: auth (401), route (404), method
+        (405), decided on the head, before any byte of a body is read or decoded."""
         if self.auth is not None and not self.auth.allows(
             request.path, request.headers.get("authorization")
         ):
@@ -503,6 +534,10 @@ class H1Server:
             allowed = ", ".join(sorted(methods))
             error = ApiError(f"{request.method} is not allowed on {request.path}", status=405)
             return error_response(error, {"Allow": allowed})
+        return handler
+
+    async def respond(self, request: Request, handler: Handler) -> Response:
+        """The handler's answer; never raises but on cancellation."""
         try:
             return await handler(request)
         except ApiError as e:

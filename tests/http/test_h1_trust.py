@@ -4,10 +4,16 @@ the head before any body byte is read (finding 3), HTTP/1.0 answers without chun
 
 from __future__ import annotations
 
+import json
 import logging
+import socket
 
 import pytest
 
+from kvconnect.api.protocol import MAX_BODY_BYTES
+from kvconnect.http.auth import BearerAuth
+
+from ..helpers import wait_for
 from .test_h1_server import closed_by_server, connect, exchange, read_response, serving
 
 
@@ -44,3 +50,56 @@ def test_a_latin_1_header_value_is_taken_as_obs_text() -> None:
     """Bytes 0x80-0xff in a value are obs-text (RFC 9110 5.5): taken, as before."""
     with serving() as (port, _, _):
         assert exchange(port, b"GET /echo HTTP/1.1\r\nX: caf\xe9\r\n\r\n")[0] == 200
+
+
+def read_until_closed(s: socket.socket) -> bytes:
+    """All the server sends until it closes its side (`s`'s timeout if it does not)."""
+    data = b""
+    while chunk := s.recv(1 << 16):
+        data += chunk
+    return data
+
+
+@pytest.mark.parametrize(
+    ("head", "status"),
+    [
+        (b"POST /echo HTTP/1.1\r\nContent-Length: %d\r\n" % MAX_BODY_BYTES, 401),
+        (b"POST /echo HTTP/1.1\r\nAuthorization: Bearer no\r\nTransfer-Encoding: chunked\r\n", 401),
+        (b"POST /nothing HTTP/1.1\r\nAuthorization: Bearer k\r\nContent-Length: 9\r\n", 404),
+        (b"PUT /echo HTTP/1.1\r\nAuthorization: Bearer k\r\nContent-Length: 9\r\n", 405),
+    ],
+)
+def test_a_refusal_on_the_head_is_answered_before_the_body_without_100_continue(
+    head: bytes, status: int
+) -> None:
+    """Finding 3: the server read and decoded up to 4 MiB (for up to the body deadline) and
+    said `100 Continue` before it checked the key, the path and the method."""
+    with serving(auth=BearerAuth("k")) as (port, _, server):
+        with connect(port) as s:
+            s.settimeout(5)  # the body deadline is 30 s: an answer within 5 s came at the head
+            s.sendall(head + b"Expect: 100-continue\r\n\r\n")
+            answer = read_until_closed(s)
+            assert answer.startswith(b"HTTP/1.1 %d " % status), answer
+            assert b"100 Continue" not in answer and b"Connection: close\r\n" in answer
+        wait_for(lambda: not server.open)
+
+
+def test_a_refused_request_whose_body_came_with_its_head_keeps_its_connection() -> None:
+    """A small body already read with the head is dropped and the connection serves on."""
+    with serving(auth=BearerAuth("k")) as (port, _, _), connect(port) as s:
+        buf = bytearray()
+        s.sendall(b"POST /echo HTTP/1.1\r\nContent-Length: 2\r\n\r\nno")
+        assert read_response(s, buf)[0] == 401
+        s.sendall(b"POST /echo HTTP/1.1\r\nAuthorization: Bearer k\r\nContent-Length: 2\r\n\r\nok")
+        assert json.loads(read_response(s, buf)[2])["body"] == "ok"
+
+
+def test_an_authorized_request_still_gets_100_continue_and_its_body_read() -> None:
+    with serving(auth=BearerAuth("k")) as (port, _, _), connect(port) as s:
+        s.sendall(
+            b"POST /echo HTTP/1.1\r\nAuthorization: Bearer k\r\nExpect: 100-continue\r\n"
+            b"Content-Length: 2\r\n\r\n"
+        )
+        assert s.recv(64).startswith(b"HTTP/1.1 100 Continue\r\n\r\n")
+        s.sendall(b"ok")
+        assert json.loads(read_response(s)[2])["body"] == "ok"
