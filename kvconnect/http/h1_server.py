@@ -27,7 +27,8 @@ One connection, one request at a time (a pipelined one waits in the buffer):
         |                                                 relay closes its upstream)
     answer written (Content-Length in one write, or chunked as the stream yields, waiting
         |           while the transport's buffer is full) --> waiting for the next head
-        '-- `Connection: close`, HTTP/1.0 --> closed
+        '-- `Connection: close`, HTTP/1.0 (a stream to HTTP/1.0: not chunked, runs to the
+                                          close, even with `keep-alive`) --> closed
 
 Requests are checked on their head: bearer auth (`auth.py`; 401), then 404/405 in
 OpenAI's error shape, so a client without a key never makes the server hold a body. Every
@@ -80,6 +81,8 @@ class Request:
     """Names lowercased; a repeated header's values joined with ", "."""
     body: bytes = b""
     keep_alive: bool = True
+    can_chunk: bool = True
+    """HTTP/1.1: an answer of unknown length may go chunked (HTTP/1.0 has no chunks)."""
     instance: str | None = None
     """The instance that answered, for the access log (set by the handler)."""
 
@@ -145,9 +148,12 @@ def parse_head(head: bytes) -> Request:
         headers[key] = text if previous is None else f"{previous}, {text}"
     path, _, query = target.decode("ascii").partition("?")
     connection = headers.get("connection", "").lower()
-    persistent = version == b"HTTP/1.1" or "keep-alive" in connection
+    http_1_1 = version == b"HTTP/1.1"
+    persistent = http_1_1 or "keep-alive" in connection
     keep_alive = persistent and "close" not in connection
-    return Request(method.decode("ascii"), path, query, headers, keep_alive=keep_alive)
+    return Request(
+        method.decode("ascii"), path, query, headers, keep_alive=keep_alive, can_chunk=http_1_1
+    )
 
 
 def body_length(request: Request) -> int | None:
@@ -468,18 +474,22 @@ class _Connection(asyncio.Protocol):
             self._next()
 
     async def _send(self, request: Request, response: Response) -> None:
-        head = _head(response, request.keep_alive)
         head_only = request.method == "HEAD"
         if response.stream is None:
+            head = _head(response, request.keep_alive)
             head += b"Content-Length: %d\r\n\r\n" % len(response.body)
             self._write(bytes(head) if head_only else bytes(head) + response.body)
             return
+        # HTTP/1.0 knows no chunks (nor does a connection about to close need them): the
+        # body runs to the close, and the connection closes after it (`_run`).
+        chunked = request.keep_alive and request.can_chunk
+        request.keep_alive = chunked
+        head = _head(response, chunked)
+        head += b"Transfer-Encoding: chunked\r\n\r\n" if chunked else b"\r\n"
         if head_only:
-            self._write(bytes(head + b"Transfer-Encoding: chunked\r\n\r\n"))
+            self._write(bytes(head))
             return
-        # HTTP/1.0 knows no chunks: the body runs to the close.
-        chunked = request.keep_alive
-        pending = bytes(head + (b"Transfer-Encoding: chunked\r\n\r\n" if chunked else b"\r\n"))
+        pending = bytes(head)
         async for data in response.stream:
             if not data:
                 continue

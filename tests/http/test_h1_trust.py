@@ -103,3 +103,24 @@ def test_an_authorized_request_still_gets_100_continue_and_its_body_read() -> No
         assert s.recv(64).startswith(b"HTTP/1.1 100 Continue\r\n\r\n")
         s.sendall(b"ok")
         assert json.loads(read_response(s)[2])["body"] == "ok"
+
+
+@pytest.mark.parametrize("connection", [b"", b"Connection: keep-alive\r\n"])
+def test_an_http_1_0_client_gets_no_chunks_a_stream_runs_to_the_close(connection: bytes) -> None:
+    """Finding 15: an HTTP/1.0 keep-alive client got `Transfer-Encoding: chunked`, which
+    HTTP/1.0 does not have (it would read the chunk sizes as the body)."""
+    with serving() as (port, _, server):
+        with connect(port) as s:
+            s.sendall(b"GET /stream HTTP/1.0\r\n%s\r\n" % connection)
+            head, _, body = read_until_closed(s).partition(b"\r\n\r\n")
+            assert b"Transfer-Encoding" not in head and b"Connection: close\r\n" in head + b"\r\n"
+            assert head.startswith(b"HTTP/1.1 200 ") and body == b"onetwo"
+        with connect(port) as s:
+            s.sendall(b"HEAD /stream HTTP/1.0\r\n%s\r\n" % connection)
+            assert b"Transfer-Encoding" not in read_until_closed(s)
+        with connect(port) as s:
+            s.sendall(b"POST /echo HTTP/1.0\r\n%sContent-Length: 2\r\n\r\nok" % connection)
+            status, headers, answer = read_response(s)
+            assert status == 200 and "transfer-encoding" not in headers
+            assert json.loads(answer)["body"] == "ok"
+        wait_for(lambda: not server.open)
