@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import socket
+from pathlib import Path
 
 import pytest
 
@@ -14,6 +15,7 @@ from kvconnect.api.protocol import MAX_BODY_BYTES
 from kvconnect.http.auth import BearerAuth
 
 from ..helpers import wait_for
+from ..serving import RouterProcess, Serve
 from .test_h1_server import closed_by_server, connect, exchange, read_response, serving
 
 
@@ -124,3 +126,29 @@ def test_an_http_1_0_client_gets_no_chunks_a_stream_runs_to_the_close(connection
             assert status == 200 and "transfer-encoding" not in headers
             assert json.loads(answer)["body"] == "ok"
         wait_for(lambda: not server.open)
+
+
+def test_the_router_process_refuses_keyless_heads_and_stray_bytes_at_once(tmp_path: Path) -> None:
+    """The three findings on the real `kvconnect router` (its instance never started: no
+    request here reaches one)."""
+    router = RouterProcess(tmp_path, [Serve(tmp_path)], "--api-key", "k")
+    router.start()
+    try:
+        with socket.create_connection(("127.0.0.1", router.port), timeout=5) as s:
+            s.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nExpect: 100-continue\r\n"
+                b"Content-Length: %d\r\n\r\n" % MAX_BODY_BYTES
+            )
+            answer = read_until_closed(s)  # at once, not after the 30 s body deadline
+            assert answer.startswith(b"HTTP/1.1 401 ") and b"100 Continue" not in answer
+        for _ in range(20):
+            assert exchange(router.port, b"GET /\xff HTTP/1.1\r\nHost: x\r\n\r\n")[0] == 400
+        with socket.create_connection(("127.0.0.1", router.port), timeout=5) as s:
+            s.sendall(b"GET /health HTTP/1.0\r\nConnection: keep-alive\r\n\r\n")
+            status, headers, body = read_response(s)
+            assert status == 503 and "transfer-encoding" not in headers
+            assert json.loads(body)["status"] == "error"
+        assert router.alive()
+    finally:
+        assert router.stop() == 0, router.logs()
+    assert "Traceback" not in router.logs() and " ERROR " not in router.logs(), router.logs()
