@@ -2,31 +2,37 @@
 
 `kvconnect router` adds its own time to every request it relays. Through aiohttp's server a
 relayed completion cost ~650 us of CPU on this project's machines (py-spy: 39% in aiohttp's
-request and response objects, its middleware chain and writer); here the front parses a
-head with `bytes` methods, runs one task per request and writes a whole answer in one call
-(`bench/routers.py` measures the router's added latency beside vllm-router's). `kvconnect
-serve` stays on aiohttp: its time is the engine's.
+request and response objects, its middleware chain and writer); here an asyncio protocol
+feeds llhttp (Node's parser, through `httptools`, as uvicorn does: strict RFC 9112 framing,
+fuzzed for years), runs one task per request and writes a whole answer in one call
+(`bench/routers.py` measures the router's added latency beside vllm-router's). What llhttp
+leaves to a server is `_check_head`: the version, the target's form, the framings taken,
+the sizes. `kvconnect serve` stays on aiohttp: its time is the engine's.
 
     server = H1Server(routes, limits, auth)     routes: {path: {method: handler}}
     await server.start(host, port) ... await server.close()
     handler(request) -> Response                a whole body, or `stream` (sent chunked)
 
-One connection, one request at a time (a pipelined one waits in the buffer):
+One connection, one request running at a time (one pipelined behind it is read, then
+reading pauses):
 
     accepted -- more than max_connections open --> 503 with Retry-After, closed
         |
     waiting for a head -- header_timeout (from the accept, or from the end of the last
         |                  answer) --> closed
-        |-- malformed head, unknown framing --> 400 (431, 505), closed
+        |-- malformed head, unknown framing --> 400 (431, 501, 505), closed
         |-- declared body over MAX_BODY_BYTES --> 413 at once, closed
         |-- no key, no route, wrong method --> 401/404/405 at once (no `100 Continue`, no
-        |   body byte read); closed, unless the whole body came with the head
+        |   body byte kept); closed, unless the whole body came with the head
     waiting for the body (`Expect: 100-continue` answered) -- body_timeout --> 408, closed
         |   Content-Length or chunked; gzip/deflate decoded (at most MAX_BODY_BYTES)
     the handler runs as a task -- the client goes away --> the task is cancelled (the
         |                                                 relay closes its upstream)
     answer written (Content-Length in one write, or chunked as the stream yields, waiting
         |           while the transport's buffer is full) --> waiting for the next head
+        |-- the client takes none of it for write_timeout --> aborted (the relay ends)
+        |-- the stream's source fails --> closed without the last chunk (reset when the
+        |                                 answer runs to the close): never looks whole
         '-- `Connection: close`, HTTP/1.0 (a stream to HTTP/1.0: not chunked, runs to the
                                           close, even with `keep-alive`) --> closed
 
@@ -41,13 +47,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
+import struct
 import time
 import zlib
+from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Any, cast
 
+import httptools
 import msgspec
 
 from kvconnect.api.protocol import MAX_BODY_BYTES, ApiError
@@ -65,8 +75,6 @@ LINGER_BYTES = 2 * MAX_BODY_BYTES
 """After refusing a request, what the client still sends is read and dropped (for at most
 this long, this much) before the close: closing on unread bytes sends a reset, which can
 discard the answer before the client reads it (nginx's lingering close)."""
-_TOKEN = frozenset(b"!#$%&'*+-.^_`|~0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
-_HEX = frozenset(b"0123456789abcdefABCDEF")
 _VISIBLE = bytes(range(33, 127))
 """The bytes a request target may hold (RFC 9112 3.2): deleting them leaves what may not."""
 _REASONS = {s.value: s.phrase.encode() for s in HTTPStatus}
@@ -118,59 +126,25 @@ class BadRequest(Exception):
         self.status = status
 
 
-def parse_head(head: bytes) -> Request:
-    """A request line and its headers (without the blank line); `BadRequest` for anything a
-    strict reader would not take: no obs-fold, no space before a colon, one framing."""
-    lines = head.split(b"\r\n")
-    parts = lines[0].split(b" ")
-    if len(parts) != 3 or not parts[0] or not _TOKEN.issuperset(parts[0]):
-        raise BadRequest("malformed request line")
-    method, target, version = parts
-    if version not in (b"HTTP/1.1", b"HTTP/1.0"):
-        if version.startswith(b"HTTP/"):
-            raise BadRequest("only HTTP/1.0 and HTTP/1.1 are served", 505)
-        raise BadRequest("malformed request line")
+def _check_head(version: str, target: bytes, headers: dict[str, str]) -> int | None:
+    """What llhttp leaves to the server: the version, the target's form, the framing this
+    server takes and the declared size. Returns the declared body length (0 without one),
+    None for a chunked body; `BadRequest` otherwise."""
+    if version not in ("1.1", "1.0"):
+        if version == "0.9":  # a request line without a version
+            raise BadRequest("malformed request line: no HTTP version")
+        raise BadRequest("only HTTP/1.0 and HTTP/1.1 are served", 505)
     if not target.startswith(b"/"):
         raise BadRequest("the request target must be a path (origin form)")
-    if target.translate(None, _VISIBLE):  # one pass in C; non-ASCII would not decode below
+    if target.translate(None, _VISIBLE):  # llhttp lets a fragment's bytes through
         raise BadRequest("the request target holds a byte that is not visible ASCII")
-    if len(lines) - 1 > MAX_HEADERS:
-        raise BadRequest(f"more than {MAX_HEADERS} headers", 431)
-    headers: dict[str, str] = {}
-    for line in lines[1:]:
-        name, colon, value = line.partition(b":")
-        if not colon or not name or not _TOKEN.issuperset(name):
-            raise BadRequest(f"malformed header line {line[:40]!r}")
-        if b"\r" in value or b"\n" in value or b"\0" in value:
-            raise BadRequest("a header value holds a control character")
-        key, text = name.decode("ascii").lower(), value.strip(b" \t").decode("latin-1")
-        previous = headers.get(key)
-        headers[key] = text if previous is None else f"{previous}, {text}"
-    path, _, query = target.decode("ascii").partition("?")
-    connection = headers.get("connection", "").lower()
-    http_1_1 = version == b"HTTP/1.1"
-    persistent = http_1_1 or "keep-alive" in connection
-    keep_alive = persistent and "close" not in connection
-    return Request(
-        method.decode("ascii"), path, query, headers, keep_alive=keep_alive, can_chunk=http_1_1
-    )
-
-
-def body_length(request: Request) -> int | None:
-    """The declared body length (0 without one); None for a chunked body."""
-    coding = request.headers.get("transfer-encoding")
-    length = request.headers.get("content-length")
+    coding = headers.get("transfer-encoding")
     if coding is not None:
-        if length is not None:
-            raise BadRequest("both Content-Length and Transfer-Encoding")
         if coding.lower() != "chunked":
             raise BadRequest(f"Transfer-Encoding {coding!r} is not supported (only chunked)", 501)
         return None
-    if length is None:
-        return 0
-    if not length.isdigit() or not length.isascii() or len(length) > 18:
-        raise BadRequest(f"Content-Length {length[:40]!r} is not a length")
-    n = int(length)
+    length = headers.get("content-length")
+    n = 0 if length is None else int(length)  # digits only: llhttp checked it
     if n > MAX_BODY_BYTES:
         raise BadRequest(f"request body of {n} bytes is over the limit of {MAX_BODY_BYTES}", 413)
     return n
@@ -216,30 +190,48 @@ def _error_bytes(status: int, message: str) -> bytes:
     return bytes(head + b"Content-Length: %d\r\n\r\n" % len(body)) + body
 
 
+class _StreamCut(Exception):
+    """A streamed answer's source failed after its head was sent (an instance cut its
+    answer): the client's connection must end without the answer looking whole."""
+
+
 class _Connection(asyncio.Protocol):
-    """One client connection: its buffer, its deadline, at most one request running."""
+    """One client connection: llhttp's parser fed as bytes arrive (its callbacks, `on_*`,
+    build each request), the requests it completed queued in order, at most one running."""
 
     def __init__(self, server: H1Server) -> None:
         self.server = server
         self.loop = asyncio.get_running_loop()  # once: each lookup is a getpid() syscall
         self.transport: asyncio.Transport | None = None
-        self.buffer = bytearray()
-        self.scanned = 0
-        """Bytes of the buffer already searched for the end of a head."""
+        self.parser = httptools.HttpRequestParser(self)
+        self.url = bytearray()
+        self.fields: list[tuple[bytes, bytes]] = []
+        self.in_head = False
+        self.began_here = False
+        """The message began in the bytes being fed now (they are not all its head's)."""
+        self.head_bytes = 0
+        """The head's bytes: its fields as parsed, and whole arrivals while it is unfinished."""
         self.request: Request | None = None
-        """A request whose head has arrived and whose body is still coming."""
+        """A request whose head has been parsed and whose body is still coming."""
         self.answer: Handler | Response | None = None
         """What answers `request`: its handler, or the refusal its head earned (401, 404, 405)."""
-        self.length: int | None = 0
-        self.chunks: list[bytes] = []
-        self.chunked_size = 0
-        self.chunk_left = -1
-        """Bytes (with their CRLF) left of the chunk being read; -1 at a size line."""
+        self.body: list[bytes] = []
+        self.body_size = 0
+        self.waiting_body = False
+        """`request`'s body deadline is armed (and `100 Continue` sent if it asked)."""
+        self.queue: deque[tuple[Request, Handler | Response, bool] | BadRequest] = deque()
+        """Complete requests (with their answer, and whether their body went unread), or the
+        refusal that ends the connection, in the order they came."""
+        self.stopped = False
+        """Nothing more is parsed: what was queued ends the connection."""
         self.task: asyncio.Task[None] | None = None
         self.deadline = 0.0
         self.timer: asyncio.TimerHandle | None = None
+        self.unsent = 0
+        """Bytes of an answer the client had not taken at the last deadline (write progress)."""
         self.reading_paused = False
         self.writable: asyncio.Future[None] | None = None
+        self.write_timer: asyncio.TimerHandle | None = None
         self.closed = False
         self.lingering = -1
         """Bytes dropped since a refusal (-1: none)."""
@@ -265,12 +257,34 @@ class _Connection(asyncio.Protocol):
             if self.lingering > LINGER_BYTES:
                 self._close()
             return
-        self.buffer += data
-        if self.task is None:
-            self._next()
-        elif len(self.buffer) > MAX_HEAD_BYTES and self.transport is not None:
-            self.reading_paused = True  # a client pipelining more than a head ahead waits
-            self.transport.pause_reading()
+        if self.stopped:
+            return  # after a request that ends the connection: dropped
+        self.began_here = False
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:  # served as plain HTTP; what follows is not
+            self._stop(None)
+        except httptools.HttpParserCallbackError as e:
+            if not isinstance(e.__context__, BadRequest):
+                logger.error("reading a request failed", exc_info=e.__context__)
+                self._stop(BadRequest("internal error", 500))
+            else:
+                self._stop(e.__context__)
+        except httptools.HttpParserInvalidMethodError as e:
+            self._stop(BadRequest(f"malformed request line: {e}"))
+        except httptools.HttpParserInvalidURLError as e:
+            self._stop(BadRequest(f"malformed request target: {e}"))
+        except httptools.HttpParserError as e:
+            self._stop(BadRequest(f"malformed request: {e}"))
+        else:
+            if self.in_head and not self.began_here:
+                self.head_bytes += len(data)
+                if self.head_bytes > MAX_HEAD_BYTES:
+                    self._stop(BadRequest(f"request head over {MAX_HEAD_BYTES} bytes", 431))
+            elif self.request is not None and isinstance(self.answer, Response):
+                self.stopped = True  # refused on its head with its body still coming: unread
+                self.queue.append((self.request, self.answer, True))
+        self._pump()
 
     def eof_received(self) -> bool:
         return False  # the transport closes itself: a running request is cancelled
@@ -278,8 +292,9 @@ class _Connection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self.server.open.discard(self)
-        if self.timer is not None:
-            self.timer.cancel()
+        for timer in (self.timer, self.write_timer):
+            if timer is not None:
+                timer.cancel()
         if self.task is not None:
             self.task.cancel()
         if self.writable is not None and not self.writable.done():
@@ -287,99 +302,113 @@ class _Connection(asyncio.Protocol):
 
     def pause_writing(self) -> None:
         self.writable = self.loop.create_future()
+        self.write_timer = self.loop.call_later(
+            self.server.limits.write_timeout, self._write_stalled
+        )
 
     def resume_writing(self) -> None:
+        if self.write_timer is not None:
+            self.write_timer.cancel()
+            self.write_timer = None
         if self.writable is not None and not self.writable.done():
             self.writable.set_result(None)
         self.writable = None
 
-    # -- reading a request ----------------------------------------------------------------------
+    # -- llhttp's callbacks: one request's head and body ------------------------------------------
 
-    def _next(self) -> None:
-        """Take the next request from the buffer when it is all there, and start it."""
-        try:
-            if self.request is None:
-                while self.buffer.startswith(b"\r\n"):  # empty lines before a request line
-                    del self.buffer[:2]
-                # A head arriving byte by byte is searched once, not once per byte.
-                end = self.buffer.find(b"\r\n\r\n", self.scanned)
-                if end > MAX_HEAD_BYTES or (end < 0 and len(self.buffer) > MAX_HEAD_BYTES):
-                    raise BadRequest(f"request head over {MAX_HEAD_BYTES} bytes", 431)
-                if end < 0:
-                    self.scanned = max(0, len(self.buffer) - 3)
-                    return
-                self.scanned = 0
-                request = parse_head(bytes(self.buffer[:end]))
-                del self.buffer[: end + 4]
-                self.length = body_length(request)
-                self.answer = self.server.admit(request)
-                complete = self.length is not None and len(self.buffer) >= self.length
-                if not complete:
-                    if isinstance(self.answer, Response):
-                        self._refuse_unread(request, self.answer)
-                        return
-                    if request.headers.get("expect", "").lower() == "100-continue":
-                        self._write(b"HTTP/1.1 100 Continue\r\n\r\n")
-                    self._arm(self.server.limits.body_timeout)
-                self.request = request
-            body = self._body()
-            if body is None:
-                return
-            request, self.request = self.request, None
-            answer = self.answer
-            assert answer is not None  # set with `request`
-            if not isinstance(answer, Response):  # a refused body is dropped undecoded
-                request.body = decoded(request, body)
-        except BadRequest as e:
-            self._refuse(e.status, str(e))
+    def on_message_begin(self) -> None:
+        self.in_head, self.began_here, self.head_bytes = True, True, 0
+        self.url.clear()
+        self.fields = []
+
+    def on_url(self, url: bytes) -> None:
+        self.url += url
+        self.head_bytes += len(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if not self.in_head:
+            return  # a trailer field of a chunked body: ignored
+        self.head_bytes += len(name) + len(value) + 4
+        if self.head_bytes > MAX_HEAD_BYTES:
+            raise BadRequest(f"request head over {MAX_HEAD_BYTES} bytes", 431)
+        if len(self.fields) == MAX_HEADERS:
+            raise BadRequest(f"more than {MAX_HEADERS} headers", 431)
+        self.fields.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        self.in_head = False
+        headers: dict[str, str] = {}
+        for name, value in self.fields:  # names are tokens, values visible bytes: llhttp's
+            key, text = name.decode("ascii").lower(), value.strip(b" \t").decode("latin-1")
+            previous = headers.get(key)
+            headers[key] = text if previous is None else f"{previous}, {text}"
+        parser, target = self.parser, bytes(self.url)
+        version = parser.get_http_version()
+        length = _check_head(version, target, headers)
+        path, _, query = target.decode("ascii").partition("?")
+        method = parser.get_method().decode("ascii")
+        request = Request(
+            method,
+            path,
+            query,
+            headers,
+            keep_alive=parser.should_keep_alive(),
+            can_chunk=version == "1.1",
+        )
+        self.request, self.answer = request, self.server.admit(request)
+        self.body, self.body_size, self.waiting_body = [], 0, False
+        if length is not None and length > 0 and isinstance(self.answer, Response):
+            self.waiting_body = True  # refused: its body is dropped, nothing waits for it
+
+    def on_body(self, body: bytes) -> None:
+        if isinstance(self.answer, Response):
+            return  # refused on its head: dropped undecoded
+        self.body_size += len(body)
+        if self.body_size > MAX_BODY_BYTES:  # chunked (a declared length was checked)
+            raise BadRequest(f"request body over the limit of {MAX_BODY_BYTES} bytes", 413)
+        self.body.append(body)
+
+    def on_message_complete(self) -> None:
+        request, answer = self.request, self.answer
+        assert request is not None and answer is not None  # set by on_headers_complete
+        self.request = self.answer = None
+        if not isinstance(answer, Response):
+            body = self.body[0] if len(self.body) == 1 else b"".join(self.body)
+            request.body = decoded(request, body)
+        self.body = []
+        self.queue.append((request, answer, False))
+        if self.task is not None and not self.reading_paused and self.transport is not None:
+            self.reading_paused = True  # one request waits behind the running one, no more
+            self.transport.pause_reading()
+
+    # -- taking the requests in order -----------------------------------------------------------
+
+    def _stop(self, refusal: BadRequest | None) -> None:
+        """Parse nothing more; the connection ends after what is queued (and `refusal`)."""
+        self.stopped = True
+        if refusal is not None:
+            self.queue.append(refusal)
+        elif self.queue and isinstance(last := self.queue[-1], tuple):
+            last[0].keep_alive = False
+
+    def _pump(self) -> None:
+        """Start the next queued request if none runs; or wait for the body being read."""
+        if self.task is not None or self.closed:
             return
-        self._disarm()
-        self.task = self.loop.create_task(self._run(request, answer))
-
-    def _body(self) -> bytes | None:
-        """The whole body once it has arrived, else None."""
-        if self.length is not None:
-            if len(self.buffer) < self.length:
-                return None
-            body = bytes(self.buffer[: self.length])
-            del self.buffer[: self.length]
-            return body
-        while True:  # chunked: size line, data, CRLF; a zero size, trailers, a blank line
-            if self.chunk_left < 0:
-                end = self.buffer.find(b"\r\n")
-                if end < 0:
-                    if len(self.buffer) > 1024:
-                        raise BadRequest("a chunk size line over 1024 bytes")
-                    return None
-                size_field = bytes(self.buffer[:end]).split(b";", 1)[0].strip()
-                if not size_field or not _HEX.issuperset(size_field) or len(size_field) > 8:
-                    raise BadRequest("malformed chunk size")
-                size = int(size_field, 16)
-                self.chunked_size += size
-                if self.chunked_size > MAX_BODY_BYTES:
-                    raise BadRequest(f"request body over the limit of {MAX_BODY_BYTES} bytes", 413)
-                if size == 0:  # the last chunk: trailers (ignored) up to a blank line
-                    rest = end + 2
-                    if self.buffer[rest : rest + 2] == b"\r\n":
-                        stop = rest + 2
-                    elif (found := self.buffer.find(b"\r\n\r\n", rest)) >= 0:
-                        stop = found + 4
-                    elif len(self.buffer) > MAX_HEAD_BYTES:
-                        raise BadRequest("trailers over the head's limit", 431)
-                    else:
-                        return None
-                    del self.buffer[:stop]
-                    body, self.chunks, self.chunked_size = b"".join(self.chunks), [], 0
-                    return body
-                del self.buffer[: end + 2]
-                self.chunk_left = size + 2
-            if len(self.buffer) < self.chunk_left:
-                return None
-            if self.buffer[self.chunk_left - 2 : self.chunk_left] != b"\r\n":
-                raise BadRequest("a chunk does not end where its size says")
-            self.chunks.append(bytes(self.buffer[: self.chunk_left - 2]))
-            del self.buffer[: self.chunk_left]
-            self.chunk_left = -1
+        if self.queue:
+            item = self.queue.popleft()
+            if isinstance(item, BadRequest):
+                self._refuse(item.status, str(item))
+            elif item[2]:
+                self._refuse_unread(item[0], cast(Response, item[1]))
+            else:
+                self._disarm()
+                self.task = self.loop.create_task(self._run(item[0], item[1]))
+        elif self.request is not None and not self.waiting_body and not self.stopped:
+            self.waiting_body = True
+            if self.request.headers.get("expect", "").lower() == "100-continue":
+                self._write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            self._arm(self.server.limits.body_timeout)
 
     def _refuse(self, status: int, message: str) -> None:
         """Answer a request that could not be read, and close (its bytes cannot be trusted to
@@ -390,7 +419,7 @@ class _Connection(asyncio.Protocol):
 
     def _refuse_unread(self, request: Request, refusal: Response) -> None:
         """Answer a request refused on its head (401, 404, 405) whose body has not all come:
-        none of it is read, so a client without a key makes the server hold nothing (no
+        none of it is kept, so a client without a key makes the server hold nothing (no
         `100 Continue` either); the connection closes after the answer, as after any
         refusal. A body that came with its head is dropped and the connection serves on."""
         log_access(request.method, request.path, refusal.status, time.monotonic(), None)
@@ -402,8 +431,9 @@ class _Connection(asyncio.Protocol):
         """Close after an answer to bytes left unread: what still comes is read and dropped
         first (`LINGER_S`, `LINGER_BYTES`)."""
         self._disarm()
-        self.buffer.clear()
         self.lingering = 0
+        if self.reading_paused and self.transport is not None:
+            self.transport.resume_reading()
         if self.transport is not None and self.transport.can_write_eof():
             self.transport.write_eof()
         self.loop.call_later(LINGER_S, self._close)
@@ -429,13 +459,31 @@ class _Connection(asyncio.Protocol):
             return
         if self.loop.time() < self.deadline:
             self.timer = self.loop.call_at(self.deadline, self._expired)
-        elif self.transport.get_write_buffer_size():
-            self._arm(self.server.limits.header_timeout)  # an answer is still going out
+        elif unsent := self.transport.get_write_buffer_size():
+            if unsent >= self.unsent:  # an answer still going out, and none of it taken
+                self._write_stalled()
+                return
+            self.unsent = unsent
+            self._arm(self.server.limits.write_timeout)
         elif self.request is not None:
             timeout = self.server.limits.body_timeout
             self._refuse(408, f"the request body did not arrive within {timeout:g} s")
         else:
             self._close()
+
+    def _write_stalled(self) -> None:
+        """The client took none of its answer for `write_timeout`: the connection (and the
+        relay behind it) ends, so that clients which never read cannot hold every slot."""
+        self.write_timer = None
+        if self.closed or self.transport is None:
+            return
+        unsent = self.transport.get_write_buffer_size()
+        access_log.info(
+            "- - write stalled: %d bytes unread for %g s, closed",
+            unsent,
+            self.server.limits.write_timeout,
+        )
+        self.transport.abort()
 
     # -- running it ----------------------------------------------------------------------------
 
@@ -453,6 +501,10 @@ class _Connection(asyncio.Protocol):
         except asyncio.CancelledError:
             status = 499  # the client went away first (nginx's code for it)
             raise
+        except _StreamCut as e:  # never whole: no last chunk, and a close-delimited one resets
+            logger.warning("%s %s: the answer was cut: %s", request.method, request.path, e)
+            self._cut(request.can_chunk and request.keep_alive)
+            return
         except Exception:  # an answer broken off: where the next one would begin is unknown
             logger.exception("%s %s: the answer failed", request.method, request.path)
             self._close()
@@ -466,12 +518,12 @@ class _Connection(asyncio.Protocol):
         if not request.keep_alive:
             self._close()
             return
+        self.unsent = 1 << 62
         self._arm(self.server.limits.header_timeout)
         if self.reading_paused and self.transport is not None:
             self.reading_paused = False
             self.transport.resume_reading()
-        if self.buffer:
-            self._next()
+        self._pump()
 
     async def _send(self, request: Request, response: Response) -> None:
         head_only = request.method == "HEAD"
@@ -490,7 +542,17 @@ class _Connection(asyncio.Protocol):
             self._write(bytes(head))
             return
         pending = bytes(head)
-        async for data in response.stream:
+        stream = response.stream
+        while True:
+            try:
+                data = await anext(stream)
+            except StopAsyncIteration:
+                break
+            except (asyncio.CancelledError, _StreamCut):
+                raise
+            except Exception as e:
+                self._write(pending)  # the head, if nothing came before the cut
+                raise _StreamCut(str(e) or type(e).__name__) from None
             if not data:
                 continue
             framed = b"%x\r\n%b\r\n" % (len(data), data) if chunked else data
@@ -501,8 +563,23 @@ class _Connection(asyncio.Protocol):
         self._write(pending + (b"0\r\n\r\n" if chunked else b""))
 
     def _write(self, data: bytes) -> None:
-        if self.transport is not None and not self.closed:
+        if self.transport is not None and not self.closed and data:
             self.transport.write(data)
+
+    def _cut(self, chunked: bool) -> None:
+        """End a cut answer so that no client takes it for whole: a chunked one closes
+        without its last chunk (what was sent still arrives), one that runs to the close is
+        reset."""
+        self._disarm()
+        if self.transport is not None and not self.closed:
+            if chunked:
+                self.transport.close()
+                return
+            sock = self.transport.get_extra_info("socket")
+            if sock is not None:  # a reset, not a FIN (which would end the body cleanly)
+                with contextlib.suppress(OSError):
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            self.transport.abort()
 
     def _close(self) -> None:
         self._disarm()
