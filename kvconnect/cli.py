@@ -242,6 +242,13 @@ def _router_flags(commands: Commands, common: Parser) -> None:
         "then the client gets a 504 and the instance leaves rotation",
     )
     r.add_argument(
+        "--write-timeout",
+        type=positive_float,
+        default=30.0,
+        help="seconds an answer may wait on a client that reads none of it; then the "
+        "connection (and the relay behind it) ends",
+    )
+    r.add_argument(
         "--tier-weights",
         default="GPU=1.0,CPU=0.8,STORAGE/LOCAL=0.5,STORAGE/REMOTE=0.3",
         help="weight of a cached block per tier (MEDIUM or MEDIUM/LOCALITY=W,...), over the "

@@ -52,7 +52,9 @@ def run_router_command(args: argparse.Namespace) -> int:
         admin_token=admin_token_from(args.admin_token),
         instance_api_key=instance_api_key_from(args.instance_api_key),
         upstream_timeout=args.upstream_timeout,
-        limits=ConnectionLimits(args.max_connections, args.header_timeout, args.body_timeout),
+        limits=ConnectionLimits(
+            args.max_connections, args.header_timeout, args.body_timeout, args.write_timeout
+        ),
         allow_unauthenticated=args.allow_unauthenticated,
     )
     check_port_free(args.host, args.port, "--port")
