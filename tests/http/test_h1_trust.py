@@ -261,3 +261,24 @@ def test_a_stream_cut_at_its_source_never_looks_complete(caplog: pytest.LogCaptu
             read_until_closed(s)
     cut = [r for r in caplog.records if "the answer was cut" in r.getMessage()]
     assert len(cut) == 2 and not any(r.exc_info for r in caplog.records)
+
+
+@pytest.mark.parametrize(
+    ("raw", "says"),
+    [
+        (b"Transfer-Encoding: chunked\r\n\r\n2;a\nb\r\nok\r\n0\r\n\r\n", b"chunk extension"),
+        (b"Transfer-Encoding: chunked\r\n\r\n2;a\rb\r\nok\r\n0\r\n\r\n", b"chunk"),
+        (b"Transfer-Encoding: chunked\r\n\r\n2 \r\nok\r\n0\r\n\r\n", b"chunk size"),
+        (b"X: a\x01b\r\nContent-Length: 2\r\n\r\nok", b"header value char"),
+        (b"X: a\x7fb\r\nContent-Length: 2\r\n\r\nok", b"header value char"),
+    ],
+)
+def test_what_serves_parser_rejects_the_router_rejects(raw: bytes, says: bytes) -> None:
+    """Finding 11: the router took a bare LF or CR in a chunk extension, whitespace after a
+    chunk size and control bytes in a field value, which serve's parser refuses (a request
+    two parsers read differently is how smuggling starts); llhttp refuses them now."""
+    with serving() as (port, _, _), connect(port) as s:
+        s.sendall(b"POST /echo HTTP/1.1\r\n" + raw)
+        status, _, answer = read_response(s)
+        assert status == 400 and says in answer, answer
+        assert closed_by_server(s)
