@@ -33,7 +33,7 @@ from collections import defaultdict
 from collections.abc import AsyncIterator
 from urllib.parse import urlsplit
 
-from kvconnect.http.client_connection import Closed, Connection
+from kvconnect.http.client_connection import MAX_BUFFERED, Connection, Malformed
 
 MAX_IDLE_PER_INSTANCE = 64
 """Idle keep-alive connections kept per instance; more are closed when released."""
@@ -58,67 +58,48 @@ class UpstreamTimeout(UpstreamBroken):
 class UpstreamResponse:
     """One response: status and headers read, the body still on the connection."""
 
-    def __init__(
-        self, pool: UpstreamPool, key: str, conn: Connection, status: int, head: dict[str, str]
-    ) -> None:
+    def __init__(self, pool: UpstreamPool, key: str, conn: Connection) -> None:
         self._pool, self._key = pool, key
         self._conn: Connection | None = conn
-        self.status = status
-        self.headers = head
+        self.status = conn.status
+        self.headers = conn.fields
         """Header names lowercased; a repeated header keeps its last value."""
-        length = head.get("content-length")
-        self.chunked = "chunked" in head.get("transfer-encoding", "").lower()
-        self.content_length = None if length is None or self.chunked else int(length)
-        self._keep_alive = head.get("connection", "").lower() != "close"
-        self._done = False
+        self.chunked = self.headers.get("transfer-encoding", "").lower().endswith("chunked")
+        length = None if self.chunked else self.headers.get("content-length")
+        self.content_length = None if length is None else int(length)  # llhttp: digits only
 
     async def read(self) -> bytes:
-        """The whole body (of a known length: in one copy once it has all arrived)."""
+        """The whole body (of a known length: held at once, so read without pausing)."""
         conn = self._connection()
-        if self.content_length is None:
-            return b"".join([data async for data in self.iter_body()])
+        if self.content_length is not None:
+            conn.want = max(self.content_length, MAX_BUFFERED)
         try:
-            body = await conn.readexactly(self.content_length)
-        except Closed:
-            left = self.content_length - len(conn.buffer)
-            raise self._broken(f"body ended {left} bytes early") from None
-        self._finish(conn)
-        return body
+            return b"".join([data async for data in self.iter_body()])
+        finally:
+            conn.want = MAX_BUFFERED
 
     async def iter_body(self) -> AsyncIterator[bytes]:
-        """The body as it arrives; `UpstreamBroken` if the connection ends early."""
+        """The body as llhttp hands it over (pieces of at most one socket read, however large
+        a chunk the instance announced); `UpstreamBroken` if the connection ends first or the
+        framing is malformed."""
         conn = self._connection()
         try:
-            if self.content_length is not None:
-                left = self.content_length
-                while left:
-                    data = await conn.read(min(left, 1 << 16))
-                    if not data:
-                        raise UpstreamBroken(f"body ended {left} bytes early")
-                    left -= len(data)
-                    yield data
-            elif self.chunked:
-                async for data in _chunks(conn):
-                    yield data
-            else:  # neither: the body runs to the end of the connection
-                self._keep_alive = False
-                while data := await conn.read(1 << 16):
-                    yield data
-        except (ValueError, ConnectionError) as e:
-            raise self._broken(f"malformed or cut body: {e}") from None
-        except UpstreamBroken as e:
+            while data := await conn.piece():
+                yield data
+        except Malformed as e:
             raise self._broken(str(e)) from None
-        self._finish(conn)
+        except ConnectionError:
+            if self.content_length is not None:
+                left = self.content_length - conn.received
+                raise self._broken(f"body ended {left} bytes early") from None
+            raise self._broken("chunked body ended before its last chunk") from None
+        if conn.timed_out:  # aborted while the last piece was read: not a whole body
+            raise self._broken("aborted")
 
     def _connection(self) -> Connection:
         if self._conn is None:
             raise RuntimeError("UpstreamResponse read after release()")
         return self._conn
-
-    def _finish(self, conn: Connection) -> None:
-        if conn.timed_out:  # aborted while the last piece was read: not a whole body
-            raise self._broken("aborted")
-        self._done = True
 
     def _broken(self, reason: str) -> UpstreamBroken:
         conn = self._conn
@@ -132,25 +113,10 @@ class UpstreamResponse:
         if conn is None:
             return
         self._pool._busy.discard(conn)
-        if self._done and self._keep_alive:
+        if conn.complete and conn.keep_alive and not conn.timed_out:
             self._pool._put(self._key, conn)
         else:
             conn.close()
-
-
-async def _chunks(conn: Connection) -> AsyncIterator[bytes]:
-    """The payloads of a chunked body, up to and including its trailer."""
-    while True:
-        line = await conn.readuntil(b"\r\n")
-        size = int(line.split(b";", 1)[0].strip(), 16)
-        if size == 0:
-            while await conn.readuntil(b"\r\n") != b"\r\n":  # trailer fields, if any
-                pass
-            return
-        data = await conn.readexactly(size + 2)
-        if data[-2:] != b"\r\n":
-            raise ValueError("chunk not followed by CRLF")
-        yield data[:-2]
 
 
 class UpstreamPool:
@@ -218,16 +184,18 @@ class UpstreamPool:
             conn, pooled = self._take(key), True
             if conn is None:
                 conn, pooled = await self._open(host, port), False
-            conn.deadline = time.monotonic() + self.read_timeout
             self._busy.add(conn)
             try:
+                conn.begin()
                 conn.write(request)
-                status, headers = await _read_head(conn)
-                return UpstreamResponse(self, key, conn, status, headers)
-            except (ConnectionError, UpstreamBroken) as e:
+                await conn.head()
+                return UpstreamResponse(self, key, conn)
+            except ConnectionError as e:
                 self._drop(conn)
                 if conn.timed_out:
                     raise UpstreamTimeout(f"no answer for {self.read_timeout:g} s") from None
+                if isinstance(e, Malformed):  # on a fresh connection or not: not HTTP/1.x
+                    raise Unreachable(str(e)) from None
                 if not pooled:
                     raise Unreachable(str(e) or type(e).__name__) from None
             except BaseException:  # cancelled (the client left): the instance must see it
@@ -289,22 +257,3 @@ class UpstreamPool:
                     await conn.wait_closed()
         self._idle.clear()
 
-
-async def _read_head(conn: Connection) -> tuple[int, dict[str, str]]:
-    """The status and headers; `UpstreamBroken` for anything that is not HTTP/1.x."""
-    try:
-        raw = await conn.readuntil(b"\r\n\r\n")
-    except ValueError as e:
-        raise UpstreamBroken(f"response headers: {e}") from None
-    lines = raw[:-4].decode("latin-1").split("\r\n")
-    version, _, rest = lines[0].partition(" ")
-    code = rest[:3]
-    if not version.startswith("HTTP/1.") or not code.isdigit():
-        raise UpstreamBroken(f"not an HTTP/1.x response: {lines[0][:80]!r}")
-    headers = {}
-    for line in lines[1:]:
-        name, sep, value = line.partition(":")
-        if not sep:
-            raise UpstreamBroken(f"malformed header line {line[:80]!r}")
-        headers[name.strip().lower()] = value.strip()
-    return int(code), headers

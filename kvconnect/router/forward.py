@@ -1,8 +1,10 @@
 """The relay: one request to the chosen instance, its answer (streamed or not) back.
 
-Before the answer begins, a refused or failed connection is `http.client.Unreachable` and the
-request may go to another instance; once it has begun, nothing can move it: an instance dying
-mid-answer cuts the answer short (logged), a client going away just ends the relay (its task
+Before the answer begins, a refused or failed connection, or an answer head that is not
+well-framed HTTP/1.1, is `http.client.Unreachable` and the request may go to another instance;
+once it has begun, nothing can move it: an instance dying mid-answer (or framing it badly)
+cuts the client's answer too, never ending it as a whole one is ended (an event stream gets an
+error event first); a client going away just ends the relay (its task
 is cancelled and the upstream connection closed, so that the instance aborts the request
 too). An instance that took the request and then stays silent past the pool's read timeout
 is a 504 for the client (or a cut stream) and leaves rotation until its health check answers
@@ -11,6 +13,7 @@ again.
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import AsyncIterator
 
@@ -98,11 +101,20 @@ async def _relay_stream(
     upstream: UpstreamResponse, instance: Instance, router: Router
 ) -> AsyncIterator[bytes]:
     """A streamed answer, piece by piece as it comes. Once begun it cannot move: an instance
-    dying mid-answer cuts it short (logged)."""
+    that cuts it or frames it badly ends it with an SSE error event (for an event stream),
+    then the exception, on which the server cuts the client's answer so that it never looks
+    whole (`h1_server`: no last chunk, or a reset)."""
+    last = b"\n\n"
     try:
         async for data in upstream.iter_body():
+            last = data
             yield data
     except UpstreamBroken as e:
-        logger.warning("router: %s failed mid-answer: %s", instance.name, e)
         if isinstance(e, UpstreamTimeout):
             router.mark_down(instance.name, f"stalled mid-answer: {e}")
+        reason = f"{instance.name} failed mid-answer: {e}"
+        if upstream.headers.get("content-type", "").startswith("text/event-stream"):
+            event = {"error": {"message": reason, "type": "bad_gateway", "code": 502}}
+            sep = b"" if last.endswith(b"\n\n") else b"\n\n"  # end a cut event first
+            yield sep + b"data: " + json.dumps(event).encode() + b"\n\n"
+        raise UpstreamBroken(reason) from None

@@ -116,6 +116,13 @@ def _none_in_rotation() -> Response:
     )
 
 
+def _none_answered(reason: str) -> Response:
+    """Every instance tried failed before answering; the last one's reason."""
+    return error_response(
+        ApiError(f"no instance answered (last, {reason})", status=502, type_="bad_gateway")
+    )
+
+
 def _counted(
     release: Callable[[], None] | None, in_flight: Counter[str], name: str
 ) -> Callable[[], None]:
@@ -194,10 +201,11 @@ class RouterServer:
         router = self.router
         authorization = self._authorization(http)
         tried: set[str] = set()
+        failed = ""
         while True:
             picked = router.pick(token_ids, tried, req.cache_salt)
             if picked is None:
-                return _none_in_rotation()
+                return _none_answered(failed) if failed else _none_in_rotation()
             instance, score = picked
             tried.add(instance.name)
             http.instance = instance.name
@@ -214,6 +222,7 @@ class RouterServer:
                     raise
                 logger.warning("router: %s unreachable (%s); trying another", instance.name, e)
                 router.mark_down(instance.name, f"forward failed: {e}")
+                failed = f"{instance.name}: {e}"
                 continue
             # In flight until the answer is sent, cut or abandoned (a stream's takes a while).
             response.on_close = _counted(response.on_close, in_flight, instance.name)

@@ -237,13 +237,20 @@ def test_clients_that_never_read_their_streams_are_cut_at_the_write_deadline(
                 return False
 
         wait_for(served, timeout=30, interval=0.1, what="no slot freed from the stalled clients")
+        wait_for(
+            lambda: router.logs().count("write stalled") == 4,
+            timeout=30,
+            interval=0.1,
+            what="the four stalled clients cut",
+        )
         assert router.alive()
     finally:
         for s in stalled:
             s.close()
         assert router.stop() == 0, router.logs()
         instance.stop()
-    assert router.logs().count("write stalled") == 4 and "Traceback" not in router.logs()
+    logs = router.logs()
+    assert logs.count("write stalled") == 4 and "Traceback" not in logs, logs
 
 
 def test_a_stream_cut_at_its_source_never_looks_complete(caplog: pytest.LogCaptureFixture) -> None:
