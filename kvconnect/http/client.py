@@ -9,15 +9,16 @@
 
 Why not aiohttp's client: a proxied completion through it costs ~150 us of CPU on this machine,
 through this ~20 us (`bench/routers.py` measures the router's whole added latency beside
-vllm-router's); each connection is a `client_connection.Connection`, a protocol with a buffer
-of its own (not asyncio's streams). It speaks only what the relay needs: one request at a time
-per connection, a JSON body of known length out, a response of known length or chunked back;
-anything else (an upgrade, a response without length or chunking, a header section over
-64 KiB) ends that connection. A response is read to its end
-before its connection is reused, so a reply can never be mistaken for the next request's.
+vllm-router's); each connection is a `client_connection.Connection`, a protocol that parses
+what the instance sends with llhttp (httptools). It speaks only what the relay needs: one
+request at a time per connection, a body of known length out, an answer of known length,
+chunked or running to the close back; anything llhttp refuses (and an upgrade, or a status
+line and fields over 64 KiB) ends that connection. An answer is read to its end before its
+connection is reused, so a reply can never be mistaken for the next request's.
 
 Deadlines: a connect has `connect_timeout`; once a request is sent, the instance may stay
-silent for at most `read_timeout` (before its head, and between pieces of its body): then its
+silent for at most `read_timeout` while the relay waits on it (before its head, and between
+pieces of its body; not while the relay waits on its own client): then its
 connection is aborted and the reader gets `UpstreamTimeout`. One watchdog task per pool checks
 the connections in use a few times per `read_timeout`, so a request costs a time stamp per
 read, not a timer. A request whose caller is cancelled (its client went away) closes its
