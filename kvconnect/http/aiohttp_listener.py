@@ -18,6 +18,9 @@ aiohttp's own protocol sees it:
         v
     answer handed to the transport --> waiting for the next head again
 
+aiohttp's own decompression is off (`auto_decompress=False`): request bodies reach the handler
+as they were sent, and `aiohttp_app.read_body` decodes them within the body limit.
+
 The wrapper forwards every protocol call to aiohttp's handler unchanged; it adds a timer per
 connection, not per byte. Handlers run with aiohttp's `handler_cancellation`: a client that
 goes away cancels its handler, whose clean-up aborts its engine requests (serve) or closes its
@@ -130,7 +133,12 @@ class Listener:
         self.open: dict[RequestHandler, _Guarded] = {}
         app[BODY_TIMEOUT] = limits.body_timeout
         app.middlewares.insert(0, self._middleware)
-        self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
+        # auto_decompress off: aiohttp would inflate a gzip/deflate body as it arrives, on the
+        # event loop, whatever its size, even for a request answered 401 or 413; bodies are
+        # decoded by `aiohttp_app.read_body` (`content_encoding.py`), bounded, after the checks.
+        self._runner = web.AppRunner(
+            app, access_log=None, handler_cancellation=True, auto_decompress=False
+        )
         self._server: asyncio.Server | None = None
 
     async def start(self, host: str, port: int) -> None:

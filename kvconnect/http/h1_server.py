@@ -50,7 +50,6 @@ import logging
 import socket
 import struct
 import time
-import zlib
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
@@ -63,6 +62,7 @@ import msgspec
 from kvconnect.api.protocol import MAX_BODY_BYTES, ApiError
 from kvconnect.http.access_log import access_log, log_access
 from kvconnect.http.auth import UNAUTHORIZED, UNAUTHORIZED_HEADERS, BearerAuth
+from kvconnect.http.content_encoding import EncodingError, decode
 from kvconnect.http.limits import BUSY_RESPONSE, ConnectionLimits
 
 logger = logging.getLogger(__name__)
@@ -151,24 +151,12 @@ def _check_head(version: str, target: bytes, headers: dict[str, str]) -> int | N
 
 
 def decoded(request: Request, body: bytes) -> bytes:
-    """The body with its Content-Encoding (gzip, deflate) undone, at most MAX_BODY_BYTES."""
-    coding = request.headers.get("content-encoding", "identity").lower().strip()
-    if coding == "identity" or not body:
-        return body
-    if coding not in ("gzip", "deflate"):
-        raise BadRequest(f"Content-Encoding {coding!r} is not supported (gzip, deflate)", 415)
-    # gzip's header, or deflate as zlib's stream (as the RFC) or raw (as some clients send it)
-    for wbits in (31,) if coding == "gzip" else (15, -15):
-        d = zlib.decompressobj(wbits)
-        try:
-            out = d.decompress(body, MAX_BODY_BYTES + 1)
-        except zlib.error:
-            continue
-        if len(out) > MAX_BODY_BYTES:
-            raise BadRequest(f"request body is over the limit of {MAX_BODY_BYTES} bytes", 413)
-        if d.eof and not d.unused_data:
-            return out
-    raise BadRequest(f"the body does not decode (Content-Encoding: {coding})")
+    """The body with its Content-Encoding (gzip, deflate) undone, at most MAX_BODY_BYTES
+    (`content_encoding.py`, serve's rule too)."""
+    try:
+        return decode(request.headers.get("content-encoding"), body)
+    except EncodingError as e:
+        raise BadRequest(str(e), e.status) from None
 
 
 def _head(response: Response, keep_alive: bool) -> bytearray:
