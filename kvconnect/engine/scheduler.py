@@ -405,7 +405,8 @@ class Scheduler:
         self.connector_stats.aggregate(stats)
 
     def _handle_invalid_blocks(self, invalid: set[int]) -> set[str]:
-        """Requests whose blocks failed to load recompute from the first bad block."""
+        """Requests whose blocks failed to load recompute from the first bad block; the
+        tokens from there on are no longer counted as loaded."""
         affected: set[str] = set()
         for req in [*self.running, *self._remote_waiting.values()]:
             ids = self.kv_cache_manager.block_ids(req.request_id)
@@ -414,6 +415,7 @@ class Scheduler:
                 continue
             req.num_computed_tokens = min(req.num_computed_tokens, bad * self.block_size)
             self.kv_cache_manager.truncate_computed(req, bad)
+            self._uncount_recomputed(req, bad * self.block_size)
             affected.add(req.request_id)
             self.stats.num_recomputed_blocks += len(ids) - bad
         self.pool.evict_blocks(invalid)
@@ -421,6 +423,17 @@ class Scheduler:
             "%d blocks failed to load; %d requests recompute them", len(invalid), len(affected)
         )
         return affected
+
+    def _uncount_recomputed(self, req: Request, num_kept: int) -> None:
+        """A load failed from token `num_kept` on: what the request counts as loaded by the
+        connector (`num_external_tokens`, hence `cached_tokens` in serve's usage and the
+        loaded-tokens metric) keeps only the tokens before it, whose KV did load. Counts are
+        those of the first admission: a failure after a preemption concerns a later one."""
+        if req.num_cached_tokens is None or req.num_preemptions:
+            return
+        loaded = min(req.num_external_tokens, max(0, num_kept - req.num_cached_tokens))
+        self.stats.num_external_tokens -= req.num_external_tokens - loaded
+        req.num_external_tokens = loaded
 
     def fail_all(self, reason: str) -> None:
         """The engine is gone: every unfinished request ends with an error."""

@@ -256,6 +256,38 @@ def test_a_load_failed_from_its_first_block_recomputes_in_its_own_blocks() -> No
     assert_all_free(s)
 
 
+def test_tokens_of_blocks_that_failed_to_load_are_not_counted_as_loaded() -> None:
+    """Issue 34, finding 16: `num_external_tokens` (serve's cached_tokens, the loaded-tokens
+    metric) counted the tokens of a load the workers then refused, and recomputed."""
+    conn = ScriptedConnector()
+    s = make(connector=conn)
+    s.add_request(req("a", 16))
+    drain(s)  # tokens 0..15 in the prefix cache: 4 blocks
+    b = req("b", 28)  # its first 16 tokens are a's
+    conn.matched["b"] = (8, False)  # a sync load of tokens 16..23 (blocks 4 and 5)
+    s.add_request(b)
+    out = s.schedule()
+    assert out.num_scheduled_tokens == {"b": 4} and out.scheduled[0].start_position == 24
+    bad = out.scheduled[0].block_ids[5]  # the second loaded block failed its checks
+    s.update_from_output(out, {}, KVConnectorOutput(invalid_block_ids={bad}))
+    s.check_integrity()
+    assert b.num_computed_tokens == 20
+    assert (b.num_cached_tokens, b.num_external_tokens) == (16, 4)  # before: (16, 8)
+    assert s.stats.num_external_tokens == 4
+    c = req("c", 12, start=100)
+    conn.matched["c"] = (8, True)  # an async load of its first 2 blocks, both refused
+    s.add_request(c)
+    step(s)
+    own = s.kv_cache_manager.block_ids("c")
+    step(s, KVConnectorOutput(invalid_block_ids=set(own[:2]), finished_recving={"c"}))
+    assert (c.num_cached_tokens, c.num_external_tokens) == (0, 0)  # before: (0, 8)
+    assert s.stats.num_external_tokens == 4
+    drain(s)
+    assert b.output_token_ids == c.output_token_ids == [TOKEN] * 2
+    assert (b.num_external_tokens, c.num_external_tokens) == (4, 0)
+    assert_all_free(s)
+
+
 def test_abort_frees_and_reports_the_id_to_workers() -> None:
     s = make()
     s.add_request(req("a", 8, max_tokens=50))
