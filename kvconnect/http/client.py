@@ -257,4 +257,3 @@ class UpstreamPool:
                 with contextlib.suppress(Exception):
                     await conn.wait_closed()
         self._idle.clear()
-

@@ -87,6 +87,27 @@ def routed(
     assert "Traceback" not in router.logs(), router.logs()
 
 
+Pair = tuple[RouterProcess, RawInstance]
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
+    """One router and instance for the tests that set their own answer (a router start costs
+    about a second)."""
+    with routed(tmp_path_factory.mktemp("relay"), lambda s: None) as pair:
+        yield pair
+
+
+@contextlib.contextmanager
+def answering(pair: Pair, answer: Answer) -> Iterator[Pair]:
+    """The shared pair with the instance answering `answer`, once the instance is in rotation
+    again (a malformed answer takes it out until its next health check)."""
+    router, instance = pair
+    instance.answer = answer
+    wait_for(lambda: get(f"{router.url}/health")[0] == 200, timeout=30, what="instance up")
+    yield pair
+
+
 def ask(port: int, stream: bool = False, rcvbuf: int = 0) -> socket.socket:
     body = json.dumps({"model": "tiny", "prompt": "hello", "stream": stream}).encode()
     s = socket.socket()
@@ -122,9 +143,9 @@ def status_of(answer: bytes) -> int:
     ],
 )
 def test_a_malformed_answer_head_is_a_502_never_relayed(
-    tmp_path: Path, raw: bytes, why: bytes
+    shared: Pair, raw: bytes, why: bytes
 ) -> None:
-    with routed(tmp_path, lambda s: s.sendall(raw)) as (router, _):
+    with answering(shared, lambda s: s.sendall(raw)) as (router, _):
         with ask(router.port) as s:
             answer = read_to_close_or_whole(s)
         assert status_of(answer) == 502, answer
@@ -150,7 +171,7 @@ def read_to_close_or_whole(s: socket.socket) -> bytes:
     return head + b"\r\n\r\n" + body
 
 
-def test_an_interim_100_continue_is_skipped_and_the_final_answer_relayed(tmp_path: Path) -> None:
+def test_an_interim_100_continue_is_skipped_and_the_final_answer_relayed(shared: Pair) -> None:
     """Before: the 100 was relayed as the final status (and the real answer lost)."""
     final = b'{"choices": [{"text": "ok"}]}'
     raw = (
@@ -158,7 +179,7 @@ def test_an_interim_100_continue_is_skipped_and_the_final_answer_relayed(tmp_pat
         b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%b"
         % (len(final), final)
     )
-    with routed(tmp_path, lambda s: s.sendall(raw)) as (router, _), ask(router.port) as s:
+    with answering(shared, lambda s: s.sendall(raw)) as (router, _), ask(router.port) as s:
         answer = read_to_close_or_whole(s)
     assert status_of(answer) == 200 and answer.endswith(final), answer
     assert b"\r\nLink:" not in answer
@@ -180,12 +201,12 @@ EVENT = b'data: {"choices": [{"text": "a"}]}\n\n'
     ],
 )
 def test_a_cut_or_badly_framed_stream_ends_with_an_error_event_and_no_last_chunk(
-    tmp_path: Path, tail: bytes
+    shared: Pair, tail: bytes
 ) -> None:
     """Before: the router ended the client's answer with 0-CRLF-CRLF, as a whole answer ends,
     and passed the malformed chunk lines on as data."""
     raw = SSE_HEAD + b"%x\r\n%b\r\n" % (len(EVENT), EVENT) + tail
-    with routed(tmp_path, lambda s: s.sendall(raw)) as (router, _):
+    with answering(shared, lambda s: s.sendall(raw)) as (router, _):
         with ask(router.port, stream=True) as s:
             answer = read_to_close(s)
         assert status_of(answer) == 200
@@ -200,7 +221,7 @@ def _vmhwm_kib(pid: int) -> int:
         return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
 
 
-def test_a_huge_chunk_is_relayed_in_bounded_pieces(tmp_path: Path) -> None:
+def test_a_huge_chunk_is_relayed_in_bounded_pieces(shared: Pair) -> None:
     """The instance announces one 64 MiB chunk. Before, the router read the whole chunk
     before passing any of it on (its memory grew by the chunk's size: +300 MiB for 300 MiB in
     the review): the client got nothing of it until all had come. Now the first MiB reaches
@@ -218,7 +239,7 @@ def test_a_huge_chunk_is_relayed_in_bounded_pieces(tmp_path: Path) -> None:
             s.sendall(block)
         s.sendall(b"\r\n0\r\n\r\n")
 
-    with routed(tmp_path, answer) as (router, _):
+    with answering(shared, answer) as (router, _):
         assert router.proc is not None
         before = _vmhwm_kib(router.proc.pid)
         with ask(router.port, stream=True) as s:
