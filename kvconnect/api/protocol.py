@@ -103,6 +103,21 @@ class StreamOptions(msgspec.Struct):
     include_usage: bool = False
 
 
+class RemoteKVSource(msgspec.Struct, forbid_unknown_fields=True):
+    """A peer instance to pull the prompt's KV from (rank 0's peer port; rank r: port + r)."""
+
+    host: Annotated[str, msgspec.Meta(min_length=1, max_length=253, pattern=r"^[A-Za-z0-9.:_-]+$")]
+    port: Annotated[int, msgspec.Meta(ge=1, le=65535)]
+
+
+class KVTransferParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    """vLLM's `kv_transfer_params`, for the connector: what kvconnect's offload connector
+    reads from it (an unknown key is a 400, not silently ignored)."""
+
+    remote_kv_source: RemoteKVSource | None = None
+    """Pull the longest prefix this peer holds in its tiers, compute the rest."""
+
+
 class BaseRequest(msgspec.Struct, kw_only=True):
     """What every request shares: the model it is for (None: the one served)."""
 
@@ -148,6 +163,14 @@ class _Sampling(BaseRequest, kw_only=True):
     """OpenAI's: json_object or json_schema (vLLM takes it on completions too)."""
     structured_outputs: StructuredOutputs | None = None
     """vLLM's: json, json_object, regex, choice or grammar."""
+    kv_transfer_params: KVTransferParams | None = None
+    """vLLM's: per-request instructions for the KV connector (a peer to pull from)."""
+
+    def transfer_params(self) -> dict[str, Any] | None:
+        """`kv_transfer_params` as the engine's connector reads it (None: none given)."""
+        if self.kv_transfer_params is None:
+            return None
+        return msgspec.to_builtins(self.kv_transfer_params) or None
 
     def check_unsupported(self) -> None:
         if self.stream_options is not None and not self.stream:

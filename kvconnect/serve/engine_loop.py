@@ -28,6 +28,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvconnect.engine.llm import LLM, EngineInfo, RequestDelta
 from kvconnect.engine.request import Request, SamplingParams
@@ -74,6 +75,7 @@ class Job:
     loop: asyncio.AbstractEventLoop
     updates: asyncio.Queue[Update | Failed] = field(default_factory=asyncio.Queue)
     cache_salt: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None
     submitted: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
@@ -202,7 +204,11 @@ class EngineLoop:
             return  # its client left before the engine took it
         try:
             self._llm.add_request(
-                job.prompt, job.params, request_id=job.request_id, cache_salt=job.cache_salt
+                job.prompt,
+                job.params,
+                request_id=job.request_id,
+                cache_salt=job.cache_salt,
+                kv_transfer_params=job.kv_transfer_params,
             )
         except (ValueError, TypeError) as e:
             job.put(Failed(str(e), 400))

@@ -71,7 +71,15 @@ def prepare(req: GenerateRequest, info: EngineInfo, loop: asyncio.AbstractEventL
         choices = []
         for j in range(req.n):
             build = partial(sampling_params, req, max_tokens, j, words, grammar)
-            choices.append(Job(tokens, _checked(req, info, build), loop, cache_salt=req.cache_salt))
+            choices.append(
+                Job(
+                    tokens,
+                    _checked(req, info, build),
+                    loop,
+                    cache_salt=req.cache_salt,
+                    kv_transfer_params=req.transfer_params(),
+                )
+            )
         jobs.append(choices)
     forced = req.forced_tool if isinstance(req, ChatCompletionRequest) else None
     return Prepared(prompts, jobs, param, texts, forced)

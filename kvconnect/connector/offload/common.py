@@ -105,6 +105,31 @@ class TierConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             )
 
 
+Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
+Host = Annotated[str, msgspec.Meta(min_length=1, max_length=253)]
+MAX_PEER_SOURCES = 64
+
+
+class PeerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """`kv_connector_extra_config["peer"]`: this instance serves the chunks of its local tiers
+    to other instances and pulls from the one a request names (`kv_transfer_params`'
+    `remote_kv_source`: {host, port}) into its own blocks (tiers/peer.py)."""
+
+    port: Port
+    """TP rank r serves on port + r (a request names a source by its rank 0's port)."""
+    host: Host = "127.0.0.1"
+    """Where this instance's ranks serve: loopback by default."""
+    sources: Annotated[tuple[Host, ...], msgspec.Meta(max_length=MAX_PEER_SOURCES)] = ("127.0.0.1",)
+    """The hosts a request may name as its source, exactly as it names them; any other is
+    not contacted (the request computes its prompt), so a client cannot make this instance
+    connect where it likes."""
+    timeout_s: Seconds = 5.0
+    """A source silent for this long fails the pull: its chunks are recomputed."""
+    hmac_key_file: str = ""
+    """A file holding a secret every peer shares (mode 0600, at least 16 bytes): served chunks
+    are signed with it and pulled ones must be."""
+
+
 class OffloadConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """The connector's `kv_connector_extra_config`, with the engine's block size."""
 
@@ -120,6 +145,8 @@ class OffloadConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     counted, so a step never waits for storage."""
     max_pending_steps: Positive = 64
     """Steps an event may wait for the other ranks before it is dropped (see EventQuorum)."""
+    peer: PeerConfig | None = None
+    """Serve local chunks to peers and pull from them per request (None: neither)."""
 
     def __post_init__(self) -> None:
         if self.chunk_size < self.block_size or self.chunk_size % self.block_size:
@@ -220,6 +247,10 @@ class LoadSpec:
     request's last chunk, which may be loaded in part)."""
     first_block: list[int]
     """Per chunk, how many of its leading blocks are already computed (not overwritten)."""
+    source: tuple[str, int] | None = None
+    """(host, rank 0's port) of the peer that holds `chunks[from_source:]` (the earlier ones
+    come from this instance's tiers)."""
+    from_source: int = 0
 
 
 @dataclass

@@ -22,8 +22,9 @@ import threading
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
-from kvconnect.connector.offload.tiers.base import Tier, TierError, TierUnavailable
+from kvconnect.connector.offload.tiers.base import TierError, TierUnavailable
 
 logger = logging.getLogger(__name__)
 
@@ -35,9 +36,20 @@ class _Question:
     answer: int | None = None
 
 
+class HoldsPrefix(Protocol):
+    """What is asked: a shared tier, or a peer (tiers/peer.py)."""
+
+    def num_held_prefix(self, chunks: Sequence[Sequence[str]]) -> int: ...
+
+    def close(self) -> None: ...
+
+
 class PrefixLookup:
-    def __init__(self, tier: Tier, max_pending: int = 1024) -> None:
+    def __init__(
+        self, tier: HoldsPrefix, max_pending: int = 1024, what: str = "shared tier"
+    ) -> None:
         self.tier = tier
+        self.what = what
         self.max_pending = max_pending
         self._cond = threading.Condition()
         self._questions: dict[str, _Question] = {}
@@ -89,7 +101,7 @@ class PrefixLookup:
                 answer = self.tier.num_held_prefix(q.chunks)
             except TierError as e:  # one backing off logged the failure that started it
                 level = logging.DEBUG if isinstance(e, TierUnavailable) else logging.WARNING
-                logger.log(level, "offload: shared tier lookup failed, treating as a miss: %s", e)
+                logger.log(level, "offload: %s lookup failed, treating as a miss: %s", self.what, e)
                 with self._cond:
                     self.num_errors += 1
                 answer = 0

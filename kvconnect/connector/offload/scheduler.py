@@ -39,7 +39,9 @@ from kvconnect.connector.offload.common import (
     key_namespace,
 )
 from kvconnect.connector.offload.lookup import PrefixLookup
+from kvconnect.connector.offload.peer_source import PeerSources
 from kvconnect.connector.offload.tiers import RemovalWatcher, TierPlacement, create_tier
+from kvconnect.connector.offload.tiers.base import read_mac_key
 from kvconnect.events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -111,11 +113,16 @@ class OffloadScheduler:
             self.watcher = tier.watch_removals(
                 f"{self.namespace}/{context.world_size}/", context.world_size, self._rank_keys
             )
+        self.peers: PeerSources | None = None
+        if config.peer is not None:
+            mac = read_mac_key(config.peer.hmac_key_file) if config.peer.hmac_key_file else None
+            self.peers = PeerSources(config.peer, context.world_size, self.namespace, mac)
         # Chunks saved while a watcher runs: wire last hash -> raw, until their shared store
         # is released (the watcher follows keys, which name the raw hash).
         self._raw_by_wire: OrderedDict[int | bytes, bytes] = OrderedDict()
         self._shared_gone: list[bytes] = []
-        self._plans: dict[str, tuple[int, int]] = {}  # request -> (first token, num chunks)
+        # request -> (first token, num chunks, the peer and the first chunk it holds)
+        self._plans: dict[str, tuple[int, int, tuple[str, int] | None, int]] = {}
         self._loads: list[LoadSpec] = []
         self._tracked: dict[str, _Tracked] = {}
         self._ready: list[KVCacheEvent] = []
@@ -174,10 +181,19 @@ class OffloadScheduler:
             if num_shared is None:
                 return None, False
             num += num_shared
+        source, from_source = None, num
+        if num < max_chunks and self.peers is not None:
+            source = self.peers.source_of(request)
+            if source is not None:
+                chunks = [self._rank_keys(h) for h in last[num:]]
+                num_peer = self.peers.ask(request.request_id, num, chunks, source)
+                if num_peer is None:
+                    return None, False
+                num += num_peer
         num_tokens = min(num * c, limit)
         if num_tokens <= num_computed_tokens:
             return 0, False
-        self._plans[request.request_id] = (num_computed_tokens, num)
+        self._plans[request.request_id] = (num_computed_tokens, num, source, from_source)
         return num_tokens - num_computed_tokens, True
 
     def _max_hit(self, request: ConnectorRequest) -> int:
@@ -194,15 +210,16 @@ class OffloadScheduler:
         self, request: ConnectorRequest, block_ids: list[int], num_external_tokens: int
     ) -> None:
         plan = self._plans.pop(request.request_id, None)
-        if self.lookup is not None:
-            self.lookup.forget(request.request_id)
+        self._forget(request.request_id)
         if plan is None or num_external_tokens == 0:
             return
-        start, num = plan
+        start, num, source, from_source = plan
         c, bs, per = self.config.chunk_size, self.context.block_size, self.config.blocks_per_chunk
         # The last chunk's blocks past the hit are not allocated to the load: fewer block ids.
         block_ids = block_ids[: min(num * c, self._max_hit(request)) // bs]
         spec = LoadSpec(request.request_id, [], [], [])
+        if source is not None and from_source < num:
+            spec.source, spec.from_source = source, max(0, from_source - start // c)
         for i in range(start // c, num):
             spec.chunks.append(
                 self.chunk_info(
@@ -311,11 +328,16 @@ class OffloadScheduler:
                 self._shared_gone.append(last)
         return ready
 
+    def _forget(self, request_id: str) -> None:
+        if self.lookup is not None:
+            self.lookup.forget(request_id)
+        if self.peers is not None:
+            self.peers.forget(request_id)
+
     def request_finished(self, request: ConnectorRequest) -> None:
         self._tracked.pop(request.request_id, None)
         self._plans.pop(request.request_id, None)
-        if self.lookup is not None:
-            self.lookup.forget(request.request_id)
+        self._forget(request.request_id)
 
     def reset_cache(self) -> bool:
         """The local tiers are emptied by the workers at the next step: from now on nothing
@@ -325,6 +347,8 @@ class OffloadScheduler:
         return True
 
     def shutdown(self) -> None:
+        if self.peers is not None:
+            self.peers.shutdown()
         if self.watcher is not None:
             self.watcher.shutdown()
         if self.lookup is not None:

@@ -30,7 +30,9 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,7 +63,10 @@ from kvconnect.connector.offload.tiers.base import (
     TierTooSmall,
     TierUnavailable,
     mismatch,
+    pack,
+    read_mac_key,
 )
+from kvconnect.connector.offload.tiers.peer import REPLY_SLACK, PeerClient, PeerServer
 from kvconnect.events import BlockRemoved, BlockStored, KVCacheEvent
 
 logger = logging.getLogger(__name__)
@@ -115,8 +120,16 @@ class ResetJob:
     """Empty the local tiers (the engine's cache was reset)."""
 
 
-IoJob = ResetJob | LoadJob | StoreJob
-"""What the I/O thread runs, in this order of priority: resets, then loads, then stores."""
+@dataclass(frozen=True)
+class ServeJob:
+    """A peer asks for a chunk of the local tiers: its serialised bytes go to `done`."""
+
+    key: str
+    done: Future[list[Any] | None]
+
+
+IoJob = ResetJob | LoadJob | ServeJob | StoreJob
+"""What the I/O thread runs, in this order of priority: resets, loads, peers' reads, stores."""
 
 
 class OffloadWorker:
@@ -149,6 +162,11 @@ class OffloadWorker:
         self._cond = threading.Condition(self._lock)
         self._loads: deque[LoadJob] = deque()
         self._stores: deque[StoreJob] = deque()
+        self._serves: deque[ServeJob] = deque()
+        self.peer_server: PeerServer | None = None
+        self._peer_clients: dict[tuple[str, int], PeerClient] = {}
+        peer = config.peer
+        self._peer_mac = read_mac_key(peer.hmac_key_file) if peer and peer.hmac_key_file else None
         self._written_shared: set[str] = set()  # keys this rank put in shared tiers
         self._resets = 0
         self._busy = False
@@ -192,6 +210,16 @@ class OffloadWorker:
                 self._events.append(stored_event(info, tier.kind))
         self._thread = threading.Thread(target=self._io_loop, name="kv-offload-io", daemon=True)
         self._thread.start()
+        peer = self.config.peer
+        if peer is not None:
+            self.peer_server = PeerServer(
+                f"tcp://{peer.host}:{peer.port + self.rank}",
+                self.context.world_size,
+                self.rank,
+                self.namespace,
+                held=self._held_prefix,
+                read=self._serve_read,
+            )
 
     def _key(self, info: ChunkInfo) -> str:
         return chunk_key(self.namespace, self.context.world_size, self.rank, info.last_block_hash)
@@ -298,10 +326,17 @@ class OffloadWorker:
         """Wait until the I/O thread is idle (tests and shutdown)."""
         with self._cond:
             return self._cond.wait_for(
-                lambda: not (self._loads or self._stores or self._busy or self._resets), timeout
+                lambda: (
+                    not (self._loads or self._serves or self._stores or self._busy or self._resets)
+                ),
+                timeout,
             )
 
     def shutdown(self) -> None:
+        if self.peer_server is not None:
+            self.peer_server.close()
+        for client in self._peer_clients.values():
+            client.close()
         self.drain(timeout=5.0)
         with self._cond:
             self._stop = True
@@ -332,20 +367,28 @@ class OffloadWorker:
     def _next_job(self) -> IoJob | None:
         """Wait for the next job and mark the thread busy with it; None once stopped."""
         with self._cond:
-            self._cond.wait_for(lambda: self._stop or self._loads or self._stores or self._resets)
+            self._cond.wait_for(
+                lambda: self._stop or self._loads or self._serves or self._stores or self._resets
+            )
             if self._stop:
                 return None
             self._busy = True
             if self._resets:  # resets carry nothing, so they are counted rather than queued
                 self._resets -= 1
                 return ResetJob()
-            return self._loads.popleft() if self._loads else self._stores.popleft()
+            for jobs in (self._loads, self._serves):
+                if jobs:
+                    return jobs.popleft()
+            return self._stores.popleft()
 
     def _run(self, job: IoJob) -> None:
         if isinstance(job, ResetJob):
             self._reset()
         elif isinstance(job, LoadJob):
             self._load(job)
+        elif isinstance(job, ServeJob):
+            if job.done.set_running_or_notify_cancel():  # not given up on by its server
+                job.done.set_result(self._serialised(job.key))
         else:
             ops = self._ops()
             ops.synchronize(job.copied)
@@ -401,12 +444,18 @@ class OffloadWorker:
         assert paged is not None, "register_kv_caches first"
         bs = self.context.block_size
         failed: set[int] = set()
+        pulled = None
+        if spec.source is not None:
+            pulled = self._pulled(spec.source, spec.chunks[spec.from_source :])
         with ops.on_copy_stream():
             ops.wait(Stream.COPY, job.ready)  # the blocks' last reader is done with them
-            for info, block_ids, first in zip(
-                spec.chunks, spec.block_ids, spec.first_block, strict=True
+            for k, (info, block_ids, first) in enumerate(
+                zip(spec.chunks, spec.block_ids, spec.first_block, strict=True)
             ):
-                data = self._fetch(self._key(info), info)
+                if pulled is not None and k >= spec.from_source:
+                    data = next(pulled)
+                else:
+                    data = self._fetch(self._key(info), info)
                 if data is None:
                     failed.update(block_ids[first:])
                     continue
@@ -436,6 +485,107 @@ class OffloadWorker:
                 self._put(local[0], key, info, data.clone())
             return data
         logger.warning("offload: chunk %s found in no tier", key)
+        return None
+
+    # -- peers ------------------------------------------------------------------------------
+
+    def _pulled(
+        self, source: tuple[str, int], chunks: list[ChunkInfo]
+    ) -> Iterator[torch.Tensor | None]:
+        """`chunks` from this rank's counterpart at `source` (rank r serves on port + r), in
+        order, a few requests ahead (`PeerClient.fetch_many`), each checked as a shared tier's
+        entry is (its key, checksum or signature, then `mismatch`) and kept in the first local
+        tier, which announces it. None for one that failed: it is recomputed (counted,
+        logged)."""
+        client = self._peer_client(source)
+        wanted = [(self._key(info), info) for info in chunks]
+        local = [i for i, t in enumerate(self.tiers) if not t.shared]
+        for (key, info), got in zip(wanted, client.fetch_many(wanted, self.placement), strict=True):
+            if isinstance(got, IntegrityError):
+                logger.warning("offload: peer %s:%d: integrity miss: %s", *source, got)
+                with self._lock:
+                    self._count("num_integrity_misses")
+                    self._count("num_peer_integrity_misses")
+                yield None
+            elif isinstance(got, TierError):
+                logger.warning("offload: peer %s:%d: %s", *source, got)
+                with self._lock:
+                    self._count("num_peer_errors")
+                yield None
+            elif got is None:
+                with self._lock:
+                    self._count("num_peer_misses")
+                yield None
+            else:
+                data = got.data
+                with self._lock:
+                    self._count("peer_hits")
+                    self._count("peer_bytes_loaded", data.numel() * data.element_size())
+                if local:
+                    self._put(local[0], key, info, data)
+                yield data
+
+    def _peer_client(self, source: tuple[str, int]) -> PeerClient:
+        client = self._peer_clients.get(source)
+        if client is None:
+            peer = self.config.peer
+            assert peer is not None, "a pull planned without a peer config"
+            if len(self._peer_clients) >= 16:  # the oldest goes
+                self._peer_clients.pop(next(iter(self._peer_clients))).close()
+            numel = 1
+            for n in self.placement.chunk_shape:
+                numel *= n
+            client = self._peer_clients[source] = PeerClient(
+                f"tcp://{source[0]}:{source[1] + self.rank}",
+                self.context.world_size,
+                self.rank,
+                self.namespace,
+                mac_key=self._peer_mac,
+                timeout_s=peer.timeout_s,
+                max_reply_bytes=numel * self.placement.dtype.itemsize + REPLY_SLACK,
+            )
+        return client
+
+    def _held_prefix(self, keys: list[str]) -> int:
+        """For a peer (its server's thread): how many of `keys`, from the first, a local tier
+        holds (`contains` may be called from any thread)."""
+        local = [t for t in self.tiers if not t.shared]
+        num = 0
+        while num < len(keys) and any(t.contains(keys[num]) for t in local):
+            num += 1
+        return num
+
+    def _serve_read(self, key: str) -> list[Any] | None:
+        """For a peer (its server's thread): chunk `key` serialised, read by the I/O thread
+        (the tiers' one user); None if no local tier holds it or the I/O thread is too busy."""
+        done: Future[list[Any] | None] = Future()
+        with self._cond:
+            self._serves.append(ServeJob(key, done))
+            self._cond.notify_all()
+        assert self.config.peer is not None
+        try:
+            return done.result(self.config.peer.timeout_s)
+        except FutureTimeout:
+            done.cancel()
+            return None
+
+    def _serialised(self, key: str) -> list[Any] | None:
+        """The I/O thread's half of `_serve_read`: `pack`'s parts, the payload a view of the
+        tier's own memory (sent without a copy). Should a later store reuse a cpu slot while
+        its bytes are still being sent, the peer receives bytes that do not match the
+        checksum (or signature) taken here, and refuses the chunk: a recompute, never wrong
+        KV."""
+        for tier in self.tiers:
+            if tier.shared:
+                continue
+            try:
+                found = tier.load(key)
+            except TierError:
+                continue
+            if found is not None:
+                with self._lock:
+                    self._count("peer_chunks_served")
+                return list(pack(key, found.info, found.data, self._peer_mac))
         return None
 
     def _checked(self, tier: Tier, key: str, info: ChunkInfo) -> StoredChunk | None:

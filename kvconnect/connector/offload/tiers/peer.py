@@ -1,0 +1,386 @@
+"""The peer tier's transport: one rank serves the chunks of its local tiers to the same rank
+of other instances, and pulls chunks from theirs (issue 32; design.md, "Moving KV").
+
+Over ZMQ: a ROUTER per serving rank, a DEALER per (source, rank) pulling. Every message is
+[request id (8 bytes), verb, argument]; every answer [request id, status, payload]:
+
+    HELLO  -                      OK  msgpack {world_size, rank, namespace}
+    HAS    msgpack [key, ...]     OK  msgpack int: how many, from the first, are held
+    GET    key                    OK  the chunk as tiers.base.pack's parts | MISS
+    any malformed request         ERR what was wrong (the server serves on)
+
+The server never touches a tier: its owner answers through `held(keys)` (thread-safe:
+`contains`) and `read(key)` (run on the owner's I/O thread). What the client takes is
+checked as a shared store's entry is before anyone uses it: `unpack` (the key it names, its
+checksums, its HMAC where a key is set), then `mismatch` against the chunk asked for (token
+ids, block hashes, parent, block size, shape, dtype). A reply over the chunk's size is refused
+by ZMQ itself (MAXMSGSIZE); a silent peer costs `timeout_s`, after which the socket is
+replaced, so a late answer is never taken for the next one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import msgspec
+import zmq
+
+from kvconnect.connector.offload.common import ChunkInfo
+from kvconnect.connector.offload.tiers.base import (
+    IntegrityError,
+    StoredChunk,
+    TierError,
+    TierPlacement,
+    TierUnavailable,
+    mismatch,
+    unpack,
+)
+
+logger = logging.getLogger(__name__)
+
+MAX_KEYS = 4096
+"""Keys one HAS may name."""
+MAX_KEY_BYTES = 512
+REPLY_SLACK = 1 << 20
+"""Bytes a chunk's serialised form may take beyond its payload (header, token ids, tag)."""
+WINDOW = 3
+"""GETs a pull keeps outstanding (`fetch_many`)."""
+HELLO, HAS, GET = b"HELLO", b"HAS", b"GET"
+OK, MISS, ERR = b"OK", b"MISS", b"ERR"
+
+Held = Callable[[list[str]], int]
+Read = Callable[[str], list[Any] | None]
+"""A chunk as `tiers.base.pack`'s parts (bytes or buffers, sent as frames without a copy)."""
+
+
+class _Hello(msgspec.Struct, array_like=True):
+    world_size: int
+    rank: int
+    namespace: str
+
+
+_keys = msgspec.msgpack.Decoder(list[str])
+_int = msgspec.msgpack.Decoder(int)
+_hello = msgspec.msgpack.Decoder(_Hello)
+_encode = msgspec.msgpack.Encoder().encode
+
+
+class PeerServer:
+    """One rank's server, on its own thread, bound at `endpoint` (loopback by default: the
+    peer config's host). `close()` stops it."""
+
+    def __init__(
+        self,
+        endpoint: str,
+        world_size: int,
+        rank: int,
+        namespace: str,
+        held: Held,
+        read: Read,
+    ) -> None:
+        self.held, self.read = held, read
+        self._prefix = f"{namespace.replace('{', '(').replace('}', ')')}/{world_size}/{rank}/"
+        self._hello = _encode(_Hello(world_size, rank, namespace))
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.RCVHWM, 256)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, 1 << 20)  # requests: keys, never chunks
+        try:
+            self._sock.bind(endpoint)
+        except zmq.ZMQError as e:
+            self._sock.close()
+            raise ValueError(f"peer: cannot serve on {endpoint}: {e}") from None
+        self.endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._wake_addr = f"inproc://kvconnect-peer-{id(self)}-{os.getpid()}"
+        self._wake = self._ctx.socket(zmq.PAIR)
+        self._wake.bind(self._wake_addr)
+        self.num_refused = 0
+        self._thread = threading.Thread(target=self._run, name="kv-peer-server", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._wake, zmq.POLLIN)
+        try:
+            while True:
+                ready = dict(poller.poll())
+                if self._wake in ready:
+                    return
+                while True:
+                    try:
+                        frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=True)
+                    except zmq.Again:
+                        break
+                    self._answer(frames)
+        finally:
+            self._sock.close(0)
+            self._wake.close(0)
+
+    def _answer(self, frames: list[bytes]) -> None:
+        identity, rest = frames[0], frames[1:]
+        if len(rest) != 3 or len(rest[0]) != 8:
+            self.num_refused += 1
+            if rest and len(rest[0]) == 8:
+                self._send(identity, rest[0], ERR, b"a request is [id, verb, argument]")
+            return  # no request id to answer under
+        rid, verb, arg = rest
+        payload: list[Any]
+        try:
+            status, payload = self._handle(verb, arg)
+        except _Refused as e:
+            self.num_refused += 1
+            status, payload = ERR, [str(e).encode()]
+        except Exception:  # the owner's callback failed: a miss, never a dead server
+            logger.exception("peer: serving %r failed", verb)
+            status, payload = ERR, [b"the server failed to read it"]
+        self._send(identity, rid, status, *payload)
+
+    def _send(self, identity: bytes, rid: bytes, status: bytes, *payload: Any) -> None:
+        with contextlib.suppress(zmq.ZMQError):  # the peer is gone or not reading
+            self._sock.send_multipart([identity, rid, status, *payload], zmq.NOBLOCK, copy=False)
+
+    def _handle(self, verb: bytes, arg: bytes) -> tuple[bytes, list[Any]]:
+        if verb == HELLO:
+            return OK, [self._hello]
+        if verb == HAS:
+            try:
+                keys = _keys.decode(arg)
+            except msgspec.DecodeError as e:
+                raise _Refused(f"HAS: not a msgpack list of keys ({e})") from None
+            if len(keys) > MAX_KEYS:
+                raise _Refused(f"HAS: {len(keys)} keys, at most {MAX_KEYS}")
+            for key in keys:
+                self._check_key(key)
+            return OK, [_encode(min(len(keys), max(0, self.held(keys))))]
+        if verb == GET:
+            try:
+                key = arg.decode("ascii")
+            except UnicodeDecodeError:
+                raise _Refused("GET: a key is ASCII") from None
+            self._check_key(key)
+            found = self.read(key)
+            return (MISS, [b""]) if found is None else (OK, found)
+        raise _Refused(f"unknown verb {verb[:16]!r} (HELLO, HAS, GET)")
+
+    def _check_key(self, key: str) -> None:
+        if len(key) > MAX_KEY_BYTES or not key.isascii() or not key.startswith(self._prefix):
+            raise _Refused(f"key {key[:80]!r} is not one of this rank's ({self._prefix}...)")
+
+    def close(self) -> None:
+        with self._ctx.socket(zmq.PAIR) as wake:
+            wake.connect(self._wake_addr)
+            wake.send(b"")
+            self._thread.join(5.0)
+
+
+class _Refused(Exception):
+    pass
+
+
+class PeerClient:
+    """Pulls from one rank of one peer. Not thread-safe: one user (the scheduler's lookup
+    thread, or a worker's I/O thread)."""
+
+    def __init__(
+        self,
+        endpoint: str,
+        world_size: int,
+        rank: int,
+        namespace: str,
+        mac_key: bytes | None = None,
+        timeout_s: float = 5.0,
+        max_reply_bytes: int = 1 << 30,
+    ) -> None:
+        self.endpoint = endpoint
+        self.world_size, self.rank, self.namespace = world_size, rank, namespace
+        self.mac_key = mac_key
+        self.timeout_ms = max(1, int(timeout_s * 1000))
+        self.max_reply_bytes = max_reply_bytes
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+        self._sock: zmq.Socket[bytes] | None = None
+        self._next = int.from_bytes(os.urandom(4), "big") << 32
+        self._outstanding: set[bytes] = set()
+        self._early: dict[bytes, list[zmq.Frame]] = {}
+
+    def _socket(self) -> zmq.Socket[bytes]:
+        if self._sock is None:
+            sock = self._ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.MAXMSGSIZE, self.max_reply_bytes)
+            sock.setsockopt(zmq.IMMEDIATE, 1)  # queue nothing for a peer not connected
+            sock.connect(self.endpoint)
+            self._sock = sock
+        return self._sock
+
+    def _send(self, verb: bytes, arg: bytes) -> bytes:
+        """Send a request; its id. `TierUnavailable` if it cannot leave in time."""
+        self._next += 1
+        rid = self._next.to_bytes(8, "big")
+        sock = self._socket()
+        try:
+            if not sock.poll(self.timeout_ms, zmq.POLLOUT):
+                raise TimeoutError
+            sock.send_multipart([rid, verb, arg], zmq.NOBLOCK)
+        except (TimeoutError, zmq.ZMQError) as e:
+            raise self._unavailable(e, verb) from None
+        self._outstanding.add(rid)
+        return rid
+
+    def _recv(self, rid: bytes, verb: bytes) -> tuple[bytes, list[zmq.Frame]]:
+        """(status, payload frames) of the answer to request `rid`; `TierUnavailable` if it
+        does not come in time (the socket is then replaced: a late answer is never read as
+        another's). Answers to requests still outstanding are kept; others are dropped."""
+        found = self._early.pop(rid, None)
+        if found is not None:
+            self._outstanding.discard(rid)
+            return found[0].bytes, found[1:]
+        sock = self._socket()
+        try:
+            while sock.poll(self.timeout_ms, zmq.POLLIN):
+                frames = sock.recv_multipart(copy=False)
+                if len(frames) < 2:
+                    continue
+                got = frames[0].bytes
+                if got == rid:
+                    self._outstanding.discard(rid)
+                    return frames[1].bytes, frames[2:]
+                if got in self._outstanding:
+                    self._early[got] = frames[1:]
+                # else: the late answer of a request given up on (ids never repeat)
+            raise TimeoutError
+        except (TimeoutError, zmq.ZMQError) as e:
+            raise self._unavailable(e, verb) from None
+
+    def _ask(self, verb: bytes, arg: bytes) -> tuple[bytes, list[zmq.Frame]]:
+        return self._recv(self._send(verb, arg), verb)
+
+    def _unavailable(self, e: Exception, verb: bytes) -> TierUnavailable:
+        self.close()
+        why = "did not answer" if isinstance(e, TimeoutError) else str(e)
+        return TierUnavailable(
+            f"peer {self.endpoint} {why} in {self.timeout_ms / 1000:g} s ({verb.decode()})"
+        )
+
+    def _ok(self, verb: bytes, arg: bytes) -> list[zmq.Frame]:
+        status, payload = self._ask(verb, arg)
+        if status == OK:
+            return payload
+        if status == ERR and payload:
+            why = payload[0].bytes[:200].decode(errors="replace")
+            raise TierError(f"peer {self.endpoint} refused {verb.decode()}: {why}")
+        raise TierError(
+            f"peer {self.endpoint}: unexpected answer {status[:16]!r} to {verb.decode()}"
+        )
+
+    def hello(self) -> None:
+        """`ValueError` naming both if the peer runs another TP size, rank or model."""
+        frames = self._ok(HELLO, b"")
+        try:
+            h = _hello.decode(frames[0].bytes)
+        except (msgspec.DecodeError, IndexError) as e:
+            raise TierError(f"peer {self.endpoint}: malformed HELLO answer ({e})") from None
+        if h.world_size != self.world_size:
+            raise ValueError(
+                f"peer {self.endpoint} runs tensor-parallel size {h.world_size}, this instance "
+                f"{self.world_size}: equal TP sizes only"
+            )
+        if h.rank != self.rank or h.namespace != self.namespace:
+            raise ValueError(
+                f"peer {self.endpoint} is rank {h.rank} of model {h.namespace!r}; asked for "
+                f"rank {self.rank} of {self.namespace!r}"
+            )
+
+    def held_prefix(self, keys: Sequence[str]) -> int:
+        """How many of `keys`, from the first, the peer holds."""
+        total = 0
+        for at in range(0, len(keys), MAX_KEYS):
+            batch = list(keys[at : at + MAX_KEYS])
+            frames = self._ok(HAS, _encode(batch))
+            try:
+                num = _int.decode(frames[0].bytes)
+            except (msgspec.DecodeError, IndexError) as e:
+                raise TierError(f"peer {self.endpoint}: malformed HAS answer ({e})") from None
+            num = max(0, min(num, len(batch)))
+            total += num
+            if num < len(batch):
+                break
+        return total
+
+    def fetch(self, key: str, asked: ChunkInfo, placement: TierPlacement) -> StoredChunk | None:
+        """Chunk `key`, checked to be the one `asked` describes on this rank (`IntegrityError`
+        naming why not); None if the peer does not hold it."""
+        return self._checked(key, asked, placement, *self._ask(GET, key.encode("ascii")))
+
+    def fetch_many(
+        self, wanted: Sequence[tuple[str, ChunkInfo]], placement: TierPlacement
+    ) -> Iterator[StoredChunk | TierError | None]:
+        """Each of `wanted` in order, as `fetch` returns it or the `TierError` it would raise,
+        with up to WINDOW requests outstanding: the peer serialises the next chunks while
+        this one travels and is checked. Once the peer stops answering, every chunk left is
+        that `TierUnavailable`."""
+        sent: deque[bytes] = deque()
+        ahead = 0
+        try:
+            for i, (key, asked) in enumerate(wanted):
+                try:
+                    while ahead < len(wanted) and len(sent) < WINDOW:
+                        sent.append(self._send(GET, wanted[ahead][0].encode("ascii")))
+                        ahead += 1
+                    status, payload = self._recv(sent.popleft(), GET)
+                except TierUnavailable as e:
+                    sent.clear()
+                    for _ in range(i, len(wanted)):
+                        yield e
+                    return
+                try:
+                    yield self._checked(key, asked, placement, status, payload)
+                except TierError as e:
+                    yield e
+        finally:
+            if sent:  # abandoned with answers on their way: they go with the socket
+                self.close()
+
+    def _checked(
+        self,
+        key: str,
+        asked: ChunkInfo,
+        placement: TierPlacement,
+        status: bytes,
+        payload: list[zmq.Frame],
+    ) -> StoredChunk | None:
+        if status == MISS:
+            return None
+        if status != OK or not payload:
+            raise TierError(f"peer {self.endpoint}: unexpected answer to GET {key}")
+        # One copy, which the tensor then uses in place (pack's parts come as frames).
+        blob = (
+            bytearray(payload[0].buffer)
+            if len(payload) == 1
+            else bytearray().join(f.buffer for f in payload)
+        )
+        try:
+            info, data = unpack(blob, key, self.mac_key)
+        except IntegrityError:
+            raise
+        except TierError as e:
+            raise IntegrityError(f"peer {self.endpoint}: {e}") from None
+        found = StoredChunk(info, data)
+        why = mismatch(asked, found, placement)
+        if why is not None:
+            raise IntegrityError(f"peer {self.endpoint}: chunk {key}: {why}")
+        return found
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close(0)
+            self._sock = None
+        self._outstanding.clear()
+        self._early.clear()

@@ -1,0 +1,242 @@
+"""The peer tier's transport (`tiers/peer.py`) over real ZMQ sockets on loopback: a chunk
+pulled bit-exact, refusals on both sides, and every forged answer refused before use."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import msgspec
+import pytest
+import torch
+import zmq
+
+from kvconnect.connector.offload.common import ChunkInfo, chunk_key
+from kvconnect.connector.offload.tiers.base import (
+    IntegrityError,
+    TierError,
+    TierPlacement,
+    TierUnavailable,
+    pack,
+)
+from kvconnect.connector.offload.tiers.peer import MAX_KEYS, PeerClient, PeerServer
+
+NS = "tiny@0123456789abcdef"
+SHAPE = (2, 2, 32, 1, 4)
+PLACEMENT = TierPlacement(1, 0, SHAPE, torch.float32, NS)
+MAC = b"k" * 32
+
+
+def info(i: int) -> ChunkInfo:
+    return ChunkInfo(
+        bytes([i]) * 32, (i * 10, i * 10 + 1), None if i == 0 else i * 10 - 9, tuple(range(32)), 16
+    )
+
+
+def key(i: int, rank: int = 0, world: int = 1) -> str:
+    return chunk_key(NS, world, rank, info(i).last_block_hash)
+
+
+CHUNKS = {key(i): (info(i), torch.randn(SHAPE)) for i in range(3)}
+
+
+@contextmanager
+def serving(
+    mac: bytes | None = None, world: int = 1, rank: int = 0
+) -> Iterator[tuple[PeerServer, Callable[..., PeerClient]]]:
+    def held(keys: list[str]) -> int:
+        n = 0
+        while n < len(keys) and keys[n] in CHUNKS:
+            n += 1
+        return n
+
+    def read(k: str) -> list[bytes] | None:
+        found = CHUNKS.get(k)
+        return None if found is None else [b"".join(pack(k, *found, mac))]
+
+    server = PeerServer("tcp://127.0.0.1:0", world, rank, NS, held, read)
+    clients: list[PeerClient] = []
+
+    def client(**kw: object) -> PeerClient:
+        args: dict[str, object] = {"timeout_s": 5.0, **kw}
+        c = PeerClient(server.endpoint, 1, 0, NS, **args)  # type: ignore[arg-type]
+        clients.append(c)
+        return c
+
+    try:
+        yield server, client
+    finally:
+        for c in clients:
+            c.close()
+        server.close()
+
+
+def test_a_chunk_is_pulled_bit_exact_and_a_miss_is_none() -> None:
+    with serving(MAC) as (_, client):
+        c = client(mac_key=MAC)
+        c.hello()
+        assert c.held_prefix([key(0), key(1), key(7), key(2)]) == 2
+        found = c.fetch(key(1), info(1), PLACEMENT)
+        assert found is not None and found.info == info(1)
+        assert torch.equal(found.data, CHUNKS[key(1)][1])
+        assert c.fetch(key(7), info(7), PLACEMENT) is None
+
+
+def test_another_tp_size_is_refused_naming_both() -> None:
+    with serving(world=2) as (server, _):
+        c = PeerClient(server.endpoint, 1, 0, NS, timeout_s=5.0)
+        try:
+            with pytest.raises(ValueError, match="tensor-parallel size 2, this instance 1"):
+                c.hello()
+        finally:
+            c.close()
+
+
+def raw(endpoint: str, *frames: bytes) -> list[bytes]:
+    with zmq.Context.instance().socket(zmq.DEALER) as s:
+        s.setsockopt(zmq.LINGER, 0)
+        s.connect(endpoint)
+        s.send_multipart(list(frames))
+        assert s.poll(5000), "no answer"
+        return s.recv_multipart()
+
+
+@pytest.mark.parametrize(
+    ("frames", "says"),
+    [
+        ([b"12345678", b"DROP", b""], b"unknown verb"),
+        ([b"12345678", b"HAS", b"\xc1"], b"not a msgpack list"),
+        ([b"12345678", b"HAS", msgspec.msgpack.encode([key(0)] * (MAX_KEYS + 1))], b"at most"),
+        ([b"12345678", b"GET", key(0, rank=1, world=2).encode()], b"not one of this rank's"),
+        ([b"12345678", b"GET", b"\xff"], b"ASCII"),
+        ([b"12345678", b"GET"], b"[id, verb, argument]"),
+    ],
+)
+def test_a_bad_request_is_refused_naming_why_and_the_server_serves_on(
+    frames: list[bytes], says: bytes
+) -> None:
+    with serving() as (server, client):
+        rid, status, why = raw(server.endpoint, *frames)
+        assert (rid, status) == (b"12345678", b"ERR") and says in why, why
+        assert server.num_refused == 1
+        assert client().held_prefix([key(0)]) == 1
+
+
+@contextmanager
+def forger(answer: Callable[[bytes, bytes], list[bytes]]) -> Iterator[str]:
+    """A peer of the test: `answer(verb, argument)` is sent back as [status, payload...]."""
+    sock = zmq.Context.instance().socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    stop = threading.Event()
+
+    def run() -> None:
+        while not stop.is_set():
+            if sock.poll(20):
+                ident, rid, verb, arg = sock.recv_multipart()
+                reply = answer(verb, arg)
+                if reply:
+                    sock.send_multipart([ident, rid, *reply])
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    try:
+        yield f"tcp://127.0.0.1:{port}"
+    finally:
+        stop.set()
+        thread.join(5)
+        sock.close()
+
+
+def chunk_bytes(k: str, i: int, mac: bytes | None = None, **changes: object) -> bytes:
+    meta, data = CHUNKS[key(i)]
+    fields = {**meta.__dict__, **changes}
+    return b"".join(pack(k, ChunkInfo(**fields), data, mac))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("blob", "mac", "says"),
+    [
+        (lambda: chunk_bytes(key(2), 2), None, "entry holds"),  # chunk 2 sent as chunk 1
+        (lambda: chunk_bytes(key(1), 1, token_ids=tuple(range(1, 33))), None, "token ids"),
+        (lambda: chunk_bytes(key(1), 1, parent_block_hash=5), None, "parent hash"),
+        (lambda: chunk_bytes(key(1), 1)[:-1] + b"\x00", None, "checksum"),
+        (lambda: chunk_bytes(key(1), 1), MAC, "unsigned"),
+        (lambda: chunk_bytes(key(1), 1, b"x" * 32), MAC, "wrong signature"),
+        (lambda: b"not a chunk", None, "bad magic"),
+    ],
+)
+def test_a_forged_chunk_is_refused_before_use(
+    blob: Callable[[], bytes], mac: bytes | None, says: str
+) -> None:
+    def answer(verb: bytes, arg: bytes) -> list[bytes]:
+        return [b"OK", blob()]
+
+    with forger(answer) as endpoint:
+        c = PeerClient(endpoint, 1, 0, NS, mac_key=mac, timeout_s=5.0)
+        try:
+            with pytest.raises(IntegrityError, match=says):
+                c.fetch(key(1), info(1), PLACEMENT)
+        finally:
+            c.close()
+
+
+def test_a_reply_over_the_bound_is_never_taken() -> None:
+    """ZMQ drops the connection of a peer whose message is over MAXMSGSIZE: a timeout."""
+
+    def answer(verb: bytes, arg: bytes) -> list[bytes]:
+        return [b"OK", b"x" * (1 << 20)]
+
+    with forger(answer) as endpoint:
+        c = PeerClient(endpoint, 1, 0, NS, timeout_s=0.5, max_reply_bytes=1 << 16)
+        try:
+            with pytest.raises(TierUnavailable, match="did not answer"):
+                c.fetch(key(1), info(1), PLACEMENT)
+        finally:
+            c.close()
+
+
+def test_a_late_answer_is_never_taken_for_the_next_request() -> None:
+    """The first HAS gets no answer in time; with the answer to the next, the peer sends the
+    first one's too (3), before it: the client reads the next one's (1)."""
+    first: list[bytes] = []
+    sock = zmq.Context.instance().socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    c = PeerClient(f"tcp://127.0.0.1:{port}", 1, 0, NS, timeout_s=0.2)
+    try:
+        with pytest.raises(TierUnavailable, match=r"did not answer in 0\.2 s"):
+            c.held_prefix([key(0), key(1), key(2)])
+        assert sock.poll(5000)
+        first = sock.recv_multipart()
+        done = threading.Event()
+
+        def answer_late() -> None:
+            assert sock.poll(5000)
+            ident, rid, _, _ = sock.recv_multipart()
+            sock.send_multipart([ident, first[1], b"OK", msgspec.msgpack.encode(3)])
+            sock.send_multipart([ident, rid, b"OK", msgspec.msgpack.encode(1)])
+            done.set()
+
+        thread = threading.Thread(target=answer_late, daemon=True)
+        thread.start()
+        c.timeout_ms = 5000
+        assert c.held_prefix([key(0), key(1), key(2)]) == 1
+        assert done.wait(5)
+    finally:
+        c.close()
+        sock.close()
+
+
+def test_an_err_answer_is_a_tier_error_naming_it() -> None:
+    def answer(verb: bytes, arg: bytes) -> list[bytes]:
+        return [b"ERR", b"no such thing"]
+
+    with forger(answer) as endpoint:
+        c = PeerClient(endpoint, 1, 0, NS, timeout_s=5.0)
+        try:
+            with pytest.raises(TierError, match="refused HAS: no such thing"):
+                c.held_prefix([key(0)])
+        finally:
+            c.close()

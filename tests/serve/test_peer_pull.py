@@ -1,0 +1,226 @@
+"""Peer pulls (issue 32, item 1, on kvconnect's own engine): two real `kvconnect serve`
+processes with a cpu tier and a peer config. A request to B that names A as its
+`kv_transfer_params.remote_kv_source` pulls the prompt's chunks A holds, checked before a byte
+reaches B's cache, and computes the rest; B then holds them (its cpu tier announces them).
+
+    A answers the prompt                     A's cpu tier stores its 4 chunks of 32
+    B, remote_kv_source A                    cached_tokens 128 (pulled), A's answer
+    B, a host not in its peer sources        not contacted: cached_tokens 0, the same answer
+    B, a source that never answers           1 s (timeout_s), then computed: the same answer
+    B, a source that serves other chunks     refused (integrity), computed: the same answer
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import msgspec
+import pytest
+import torch
+import zmq
+
+from kvconnect.connector.offload.common import ChunkInfo
+from kvconnect.connector.offload.tiers.base import pack
+from kvconnect.events import BlockStored
+from kvconnect.stream.subscriber import KVEventSubscriber, ReceivedBatch
+from tests.helpers import free_port, wait_for
+from tests.serving import Serve, get, post
+
+pytestmark = pytest.mark.slow
+
+CHUNK = 32
+
+
+def prompt(seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(256) for _ in range(150)]  # 4 whole chunks of 32
+
+
+def config(peer_port: int, **peer: Any) -> str:
+    return json.dumps(
+        {
+            "kv_connector": "OffloadConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {
+                "chunk_size": CHUNK,
+                "tiers": [{"kind": "cpu", "max_bytes": 1 << 26}],
+                "peer": {"port": peer_port, "timeout_s": 1.0, **peer},
+            },
+        }
+    )
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Serve, Serve, int]]:
+    tmp = tmp_path_factory.mktemp("peer-pull")
+    a_port = free_port()
+    a = Serve(tmp, "--kv-transfer-config", config(a_port), "--enable-prompt-tokens-details")
+    b = Serve(tmp, "--kv-transfer-config", config(free_port()), "--enable-prompt-tokens-details")
+    a.start()
+    try:
+        b.start()
+        try:
+            yield a, b, a_port
+        finally:
+            assert b.stop() == 0, b.logs()
+    finally:
+        assert a.stop() == 0, a.logs()
+
+
+def metric(server: Serve, name: str) -> float:
+    status, text = get(server.url + "/metrics")
+    assert status == 200, text
+    found = re.search(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M)
+    return float(found.group(1)) if found else 0.0
+
+
+def complete(server: Serve, tokens: list[int], **extra: Any) -> tuple[str, int]:
+    status, body, _ = post(
+        server.url + "/v1/completions",
+        {"model": "tiny", "prompt": tokens, "max_tokens": 8, "temperature": 0, **extra},
+    )
+    assert status == 200, body
+    usage = body["usage"]
+    return body["choices"][0]["text"], usage["prompt_tokens_details"]["cached_tokens"]
+
+
+def source(port: int, host: str = "127.0.0.1") -> dict[str, Any]:
+    return {"kv_transfer_params": {"remote_kv_source": {"host": host, "port": port}}}
+
+
+def stored_on(server: Serve, chunks: float) -> None:
+    wait_for(
+        lambda: metric(server, "kvconnect_connector_num_chunks_stored_total") >= chunks,
+        timeout=30,
+        what=f"{chunks} chunks stored",
+    )
+
+
+def cpu_chunks(sub: KVEventSubscriber, want: int) -> list[Any]:
+    """The last block hashes of the chunks `sub`'s instance announces in its cpu tier, read
+    until there are `want`."""
+    seen: list[Any] = []
+    deadline = time.monotonic() + 30
+    while len(seen) < want:
+        assert time.monotonic() < deadline, f"only {seen} announced"
+        item = sub.recv(timeout=0.5)
+        if isinstance(item, ReceivedBatch):
+            seen += [
+                e.block_hashes[-1]
+                for e in item.batch.events
+                if isinstance(e, BlockStored) and e.medium == "CPU"
+            ]
+    return seen
+
+
+def test_a_request_naming_a_peer_pulls_the_prefix_it_holds(
+    pair: tuple[Serve, Serve, int],
+) -> None:
+    """B pulls A's 4 chunks (A's answer, cached_tokens 128), then holds them in its own cpu
+    tier and announces them there: the same chunks (block hashes) as A announced."""
+    a, b, a_port = pair
+    tokens = prompt(1)
+    a_sub = KVEventSubscriber(*a.instance.split(",")[1:], start_seq=0)
+    b_sub = KVEventSubscriber(*b.instance.split(",")[1:], start_seq=0)
+    try:
+        text, cached = complete(a, tokens)
+        assert cached == 0
+        a_chunks = cpu_chunks(a_sub, 4)
+        pulled, cached = complete(b, tokens, **source(a_port))
+        assert (pulled, cached) == (text, 4 * CHUNK)
+        assert cpu_chunks(b_sub, 4) == a_chunks
+    finally:
+        a_sub.close()
+        b_sub.close()
+    assert metric(b, "kvconnect_connector_peer_hits_total") == 4
+    complete(a, [1, 2, 3])  # A's workers report their counts with a step's output
+    assert metric(a, "kvconnect_connector_peer_chunks_served_total") == 4
+
+
+def test_a_host_not_in_the_peer_sources_is_never_contacted(
+    pair: tuple[Serve, Serve, int],
+) -> None:
+    a, b, a_port = pair
+    tokens = prompt(2)
+    text, _ = complete(a, tokens)
+    stored_on(a, 1)
+    served = metric(a, "kvconnect_connector_peer_chunks_served_total")
+    assert complete(b, tokens, **source(a_port, host="localhost")) == (text, 0)
+    assert metric(a, "kvconnect_connector_peer_chunks_served_total") == served
+    assert "not in the peer config's sources" in b.logs()
+
+
+def test_a_silent_source_costs_its_timeout_then_the_prompt_is_computed(
+    pair: tuple[Serve, Serve, int],
+) -> None:
+    a, b, _ = pair
+    tokens = prompt(3)
+    text, _ = complete(a, tokens)
+    with socket.socket() as silent:  # takes connections, never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        assert complete(b, tokens, **source(silent.getsockname()[1])) == (text, 0)
+
+
+def test_a_source_that_serves_another_prompts_chunks_is_refused(
+    pair: tuple[Serve, Serve, int],
+) -> None:
+    """A peer of the test that says it holds everything and answers every key with a chunk
+    named as asked (its checksum right) but of other tokens: B's checks refuse each, B
+    computes, and its answer is A's."""
+    a, b, a_port = pair
+    tokens = prompt(4)
+    text, _ = complete(a, tokens)
+    with zmq.Context() as ctx:
+        hello = _ask(ctx, f"tcp://127.0.0.1:{a_port}", b"HELLO", b"")  # A's model, as B's
+        forger = ctx.socket(zmq.ROUTER)
+        forger.setsockopt(zmq.LINGER, 0)
+        port = forger.bind_to_random_port("tcp://127.0.0.1")
+        stop = threading.Event()
+        served = []
+
+        def forge() -> None:
+            while not stop.is_set():
+                if not forger.poll(50):
+                    continue
+                ident, rid, verb, arg = forger.recv_multipart()
+                if verb == b"HELLO":
+                    answer = [hello]
+                elif verb == b"HAS":
+                    answer = [msgspec.msgpack.encode(len(msgspec.msgpack.decode(arg)))]
+                else:
+                    served.append(arg)
+                    other = ChunkInfo(b"x" * 32, (1, 2), None, tuple(range(32)), 16)
+                    answer = [b"".join(pack(arg.decode(), other, torch.zeros(2)))]
+                forger.send_multipart([ident, rid, b"OK", *answer])
+
+        thread = threading.Thread(target=forge, daemon=True)
+        thread.start()
+        try:
+            refused = metric(b, "kvconnect_connector_num_peer_integrity_misses_total")
+            assert complete(b, tokens, **source(port)) == (text, 0)
+        finally:
+            stop.set()
+            thread.join(5)
+            forger.close()
+    assert len(served) == 4
+    assert metric(b, "kvconnect_connector_num_peer_integrity_misses_total") == refused + 4
+    assert "its token ids differ" in b.logs()
+
+
+def _ask(ctx: zmq.Context[zmq.Socket[bytes]], endpoint: str, verb: bytes, arg: bytes) -> bytes:
+    with ctx.socket(zmq.DEALER) as s:
+        s.setsockopt(zmq.LINGER, 0)
+        s.connect(endpoint)
+        s.send_multipart([b"12345678", verb, arg])
+        assert s.poll(10_000), f"{endpoint}: no answer"
+        _, status, payload = s.recv_multipart()
+        assert status == b"OK", payload
+        return payload
