@@ -19,6 +19,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -224,3 +225,44 @@ def _ask(ctx: zmq.Context[zmq.Socket[bytes]], endpoint: str, verb: bytes, arg: b
         _, status, payload = s.recv_multipart()
         assert status == b"OK", payload
         return payload
+
+
+def test_every_rank_pulls_its_own_shard_and_another_tp_size_is_refused(
+    tmp_path: Path,
+) -> None:
+    """TP 2 on both sides: each rank pulls from the same rank of the source (port + rank), and
+    the answer is the source's. An instance of TP 1 naming the same source is refused with a
+    line naming both sizes, and computes."""
+    a_port = _two_ports()  # rank 1 serves on rank 0's port + 1
+    tp2 = ("--tp", "2", "--distributed-executor-backend", "mp")
+    details = "--enable-prompt-tokens-details"
+    a = Serve(tmp_path, *tp2, "--kv-transfer-config", config(a_port), details)
+    b = Serve(tmp_path, *tp2, "--kv-transfer-config", config(_two_ports()), details)
+    c = Serve(tmp_path, "--kv-transfer-config", config(free_port()), details)
+    servers = [a, b, c]
+    try:
+        for s in servers:
+            s.start()
+        tokens = prompt(6)
+        text, _ = complete(a, tokens)
+        stored_on(a, 8)  # 4 chunks on each of 2 ranks
+        assert complete(b, tokens, **source(a_port)) == (text, 4 * CHUNK)
+        assert metric(b, "kvconnect_connector_peer_hits_total") == 8
+        assert complete(c, tokens, **source(a_port)) == (text, 0)
+        assert "runs tensor-parallel size 2, this instance 1: equal TP sizes only" in c.logs()
+    finally:
+        for s in servers:
+            if s.proc is not None:
+                assert s.stop() == 0, s.logs()
+
+
+def _two_ports() -> int:
+    """A free port whose next one is free too (rank 1 serves there)."""
+    while True:
+        port = free_port()
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+        return port
