@@ -104,6 +104,7 @@ def run_paged(model: LlamaForCausalLM, ids: list[int], chunk: int) -> torch.Tens
     return torch.cat(out)
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_checkpoint_loads_and_matches_transformers(tmp_path: Path, arch: str) -> None:
     from transformers import AutoModelForCausalLM
@@ -123,6 +124,7 @@ def test_checkpoint_loads_and_matches_transformers(tmp_path: Path, arch: str) ->
         torch.testing.assert_close(run_paged(model, ids, chunk), expected, atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.heavy
 def test_tensor_parallel_shards_partition_the_checkpoint(tmp_path: Path) -> None:
     from safetensors.torch import load_file
 

@@ -125,7 +125,7 @@ def worker_pids(pid: int) -> list[int]:
     return [w for s in servers for w in children(s)]
 
 
-@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.heavy)])
 def test_serve_exits_non_zero_with_one_line_when_a_worker_dies(tmp_path: Path, tp: int) -> None:
     server = Serve(tmp_path, "--tp", str(tp), "--distributed-executor-backend", "mp")
     server.start()

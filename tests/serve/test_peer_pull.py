@@ -227,6 +227,7 @@ def _ask(ctx: zmq.Context[zmq.Socket[bytes]], endpoint: str, verb: bytes, arg: b
         return payload
 
 
+@pytest.mark.heavy
 def test_every_rank_pulls_its_own_shard_and_another_tp_size_is_refused(
     tmp_path: Path,
 ) -> None:
