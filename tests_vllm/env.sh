@@ -21,18 +21,6 @@ check='from vllm.platforms import current_platform as p; p.import_kernels(); imp
 torch.ops._C.rms_norm; import vllm.entrypoints.openai.api_server, vllm.distributed.kv_events, \
 kvconnect, xxhash, redis, pytest'
 
-# kvconnect's own dependencies beyond vLLM's closure (pyproject.toml's, those no installed
-# distribution satisfies), --no-deps so that closure is never touched. Also run on an
-# environment built before a dependency was added.
-top_up() {
-  local missing
-  missing=$("$py" "$here/missing_deps.py" "$repo/pyproject.toml")
-  if [ -n "$missing" ]; then
-    echo "# installing into $venv: $(echo $missing)"
-    # shellcheck disable=SC2086
-    "$py" -m pip install -q --no-deps $missing
-  fi
-}
 
 if ! [ -x "$py" ] || ! "$py" -c "$check" 2>/dev/null; then
   echo "# building $venv (about 2 minutes)"
@@ -51,10 +39,11 @@ if ! [ -x "$py" ] || ! "$py" -c "$check" 2>/dev/null; then
   : > "$site/vllm-0.32.0+cpu.dist-info/RECORD"
   "$py" -m pip install -q "pytest>=8" "pytest-timeout>=2.2"
   "$py" -m pip install -q --no-deps -e "$repo"
-  top_up
+  "$py" "$here/missing_deps.py" "$repo/pyproject.toml"  # kvconnect's own, --no-deps
   "$py" -c "$check"
 fi
-top_up
+# Also into an environment built before kvconnect took a new dependency.
+"$py" "$here/missing_deps.py" "$repo/pyproject.toml"
 
 # kvconnect's vLLM plugin entry point (pyproject.toml) exists once kvconnect is installed; an
 # environment built before it was declared gets it by reinstalling kvconnect (seconds).

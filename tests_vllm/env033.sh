@@ -22,16 +22,6 @@ assert not torch.version.cuda, "torch is not the CPU build"; \
 import vllm.v1.core.sched.scheduler, vllm.distributed.kv_transfer.kv_connector.v1.multi_connector, \
 kvconnect.vllm.connector, xxhash, redis, pytest, pytest_timeout'
 
-# kvconnect's own dependencies beyond vLLM's closure, --no-deps (as in env.sh).
-top_up() {
-  local missing
-  missing=$("$py" "$here/missing_deps.py" "$repo/pyproject.toml")
-  if [ -n "$missing" ]; then
-    echo "# installing into $venv: $(echo $missing)"
-    # shellcheck disable=SC2086
-    "$py" -m pip install -q --no-deps $missing
-  fi
-}
 
 if ! [ -x "$py" ] || ! "$py" -c "$check" 2>/dev/null; then
   echo "# building $venv (about 2 minutes)"
@@ -43,8 +33,8 @@ if ! [ -x "$py" ] || ! "$py" -c "$check" 2>/dev/null; then
   "$py" -m pip download -q --no-deps -d "$dir/wheels" vllm==0.33.0
   "$py" -m pip install -q --no-deps "$dir"/wheels/vllm-0.33.0-*.whl
   "$py" -m pip install -q --no-deps -e "$repo"
-  top_up
+  "$py" "$here/missing_deps.py" "$repo/pyproject.toml"  # kvconnect's own, --no-deps
   "$py" -c "$check"
 fi
-top_up
+"$py" "$here/missing_deps.py" "$repo/pyproject.toml"  # as in env.sh
 echo "$venv"

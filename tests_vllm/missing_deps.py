@@ -1,11 +1,16 @@
-"""Prints, one per line, kvconnect's own dependencies (pyproject.toml's [project] dependencies
-whose markers hold here) that no installed distribution satisfies.
+"""Installs into this interpreter's environment, with pip --no-deps, kvconnect's own
+dependencies (pyproject.toml's [project] dependencies whose markers hold here) that no
+installed distribution satisfies; `--list` only prints them, one per line.
+
+    python missing_deps.py [--list] pyproject.toml
 
 The interop environments install vLLM's exact closure without the resolver and kvconnect
 with --no-deps, so nothing else would bring in what kvconnect adds beyond vLLM's closure;
-env.sh installs what this prints, also --no-deps, so that closure is never touched.
+--no-deps here too, so that closure is never touched. A dependency vLLM's closure pins at a
+version kvconnect does not accept is an error naming both.
 """
 
+import subprocess
 import sys
 import tomllib
 from importlib.metadata import PackageNotFoundError, version
@@ -33,4 +38,10 @@ def missing(pyproject: str) -> list[str]:
 
 
 if __name__ == "__main__":
-    print("\n".join(missing(sys.argv[1])))
+    wanted = missing(sys.argv[-1])
+    if "--list" in sys.argv[1:-1]:
+        print("\n".join(wanted))
+    elif wanted:
+        print(f"# installing into {sys.prefix}: {' '.join(wanted)}")
+        pip = [sys.executable, "-m", "pip", "install", "-q", "--no-deps"]
+        sys.exit(subprocess.call([*pip, *wanted]))
