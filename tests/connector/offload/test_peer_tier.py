@@ -51,9 +51,9 @@ def serving(
             n += 1
         return n
 
-    def read(k: str) -> list[bytes] | None:
+    def read(k: str) -> list[object] | None:
         found = CHUNKS.get(k)
-        return None if found is None else [b"".join(pack(k, *found, mac))]
+        return None if found is None else list(pack(k, *found, mac))  # as a worker sends it
 
     server = PeerServer("tcp://127.0.0.1:0", world, rank, NS, held, read)
     clients: list[PeerClient] = []
@@ -177,6 +177,24 @@ def test_a_forged_chunk_is_refused_before_use(
         c = PeerClient(endpoint, 1, 0, NS, mac_key=mac, timeout_s=5.0)
         try:
             with pytest.raises(IntegrityError, match=says):
+                c.fetch(key(1), info(1), PLACEMENT)
+        finally:
+            c.close()
+
+
+def test_a_chunk_in_parts_with_a_changed_payload_is_refused() -> None:
+    """As a worker sends a chunk (pack's parts, one frame each), its payload changed after it
+    was packed (a cpu slot reused while it was being sent): the checksum refuses it."""
+
+    def answer(verb: bytes, arg: bytes) -> list[bytes]:
+        parts = [bytes(p) for p in pack(key(1), *CHUNKS[key(1)])]
+        parts[3] = b"\0" * len(parts[3])
+        return [b"OK", *parts]
+
+    with forger(answer) as endpoint:
+        c = PeerClient(endpoint, 1, 0, NS, timeout_s=5.0)
+        try:
+            with pytest.raises(IntegrityError, match="checksum mismatch"):
                 c.fetch(key(1), info(1), PLACEMENT)
         finally:
             c.close()

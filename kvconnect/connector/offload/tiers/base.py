@@ -250,14 +250,16 @@ def pack(
     return parts
 
 
-def _header(view: memoryview) -> tuple[_Header, memoryview, int]:
-    """The checked header of a serialised chunk, its bytes, and where its payload starts."""
+def _header(view: memoryview, total: int | None = None) -> tuple[_Header, memoryview, int]:
+    """The checked header of a serialised chunk, its bytes, and where its payload starts
+    (`total`: the whole chunk's length, when `view` holds only its front)."""
+    total = len(view) if total is None else total
     if len(view) < _PREFIX or view[: len(MAGIC)] != MAGIC:
         raise TierError("not a kvconnect chunk (bad magic)")
     n = int.from_bytes(view[len(MAGIC) : _PREFIX], "big")
     end = _PREFIX + n
     if end + _SUM > len(view):
-        raise TierError(f"truncated ({len(view)} bytes, header says {n})")
+        raise TierError(f"truncated ({total} bytes, header says {n})")
     raw = view[_PREFIX:end]
     if xxhash.xxh3_64_digest(raw) != view[end : end + _SUM]:
         raise TierError("header checksum mismatch")
@@ -265,7 +267,7 @@ def _header(view: memoryview) -> tuple[_Header, memoryview, int]:
         h = _decode_header(raw)
     except (msgspec.MsgspecError, ValueError) as e:
         raise TierError(f"unreadable header ({e})") from None
-    if h.tag_len not in (0, TAG_LEN) or end + _SUM + h.tag_len > len(view):
+    if h.tag_len not in (0, TAG_LEN) or end + _SUM + h.tag_len > total:
         raise TierError(f"bad signature length {h.tag_len}")
     return h, raw, end + _SUM
 
@@ -287,11 +289,40 @@ def unpack(
         h, raw, start = _header(view)
     except TierError as e:
         raise TierError(f"chunk {expected_key}: {e}") from None
-    payload = view[start : len(view) - h.tag_len]
+    tag = view[len(view) - h.tag_len :]
+    return _checked(h, raw, view[start : len(view) - h.tag_len], tag, expected_key, mac_key)
+
+
+def unpack_parts(
+    parts: Sequence[memoryview], expected_key: str, mac_key: bytes | None = None
+) -> tuple[ChunkInfo, torch.Tensor]:
+    """`unpack` of a chunk that came as `pack`'s parts (a peer's frames): the same checks;
+    the payload's own buffer, when writable, becomes the tensor's memory (no copy)."""
+    if len(parts) not in (4, 5):
+        raise TierError(f"chunk {expected_key}: {len(parts)} parts, not a chunk's 4 or 5")
+    front = memoryview(b"".join(parts[:3]))
+    payload, tag = memoryview(parts[3]), memoryview(parts[4] if len(parts) == 5 else b"")
+    try:
+        h, raw, start = _header(front, len(front) + len(payload) + len(tag))
+    except TierError as e:
+        raise TierError(f"chunk {expected_key}: {e}") from None
+    if start != len(front) or h.tag_len != len(tag):
+        raise TierError(f"chunk {expected_key}: its parts do not frame a chunk")
+    return _checked(h, raw, payload, tag, expected_key, mac_key)
+
+
+def _checked(
+    h: _Header,
+    raw: memoryview,
+    payload: memoryview,
+    tag: memoryview,
+    expected_key: str,
+    mac_key: bytes | None,
+) -> tuple[ChunkInfo, torch.Tensor]:
     if mac_key is not None:  # the signature covers the payload: no checksum needed
         if not h.tag_len:
             raise IntegrityError(f"chunk {expected_key}: unsigned (a deployment key is set)")
-        if not hmac.compare_digest(_tag(mac_key, raw, payload), view[len(view) - h.tag_len :]):
+        if not hmac.compare_digest(_tag(mac_key, raw, payload), tag):
             raise IntegrityError(f"chunk {expected_key}: wrong signature")
     elif xxhash.xxh3_64_intdigest(payload) != h.checksum:
         raise TierError(f"chunk {expected_key}: checksum mismatch")

@@ -40,6 +40,7 @@ from kvconnect.connector.offload.tiers.base import (
     TierUnavailable,
     mismatch,
     unpack,
+    unpack_parts,
 )
 
 logger = logging.getLogger(__name__)
@@ -360,14 +361,11 @@ class PeerClient:
             return None
         if status != OK or not payload:
             raise TierError(f"peer {self.endpoint}: unexpected answer to GET {key}")
-        # One copy, which the tensor then uses in place (pack's parts come as frames).
-        blob = (
-            bytearray(payload[0].buffer)
-            if len(payload) == 1
-            else bytearray().join(f.buffer for f in payload)
-        )
         try:
-            info, data = unpack(blob, key, self.mac_key)
+            if len(payload) == 1:  # one blob: one copy, which the tensor then uses in place
+                info, data = unpack(bytearray(payload[0].buffer), key, self.mac_key)
+            else:  # pack's parts as frames: the payload frame's memory becomes the tensor's
+                info, data = unpack_parts([f.buffer for f in payload], key, self.mac_key)
         except IntegrityError:
             raise
         except TierError as e:
