@@ -6,8 +6,9 @@ layers, K and V, 128 tokens, 3 KV heads of 64, fp32: 5.9 MB) from a `PeerServer`
 process, each checked as the connector checks it (`unpack`: checksum or HMAC, the key; then
 `mismatch`), unsigned and signed; and the rate of the same payload bytes sent with `sendall`
 and taken with `recv_into` into one preallocated buffer over one loopback TCP connection.
-The server serialises each chunk when asked (`pack` and one join, as a worker's I/O thread
-does), so its copy is counted as it is in the connector. Best of 3 rounds each.
+The server serialises each chunk when asked (`pack`'s parts, sent as frames without a copy,
+as a worker does); the client checks the parts in place (`unpack_parts`). Best of 3 rounds
+each; the bare TCP figure itself varies by about 30% from run to run on this machine.
 """
 
 from __future__ import annotations

@@ -3,7 +3,9 @@
 What the instance's own tiers hold is learned from the events the workers report in their
 metadata, after the quorum: a chunk counts as held once every rank announced it (BlockStored)
 in some local tier and none took it back (BlockRemoved). A shared tier is asked directly, off
-the step thread (`lookup.PrefixLookup`): the request waits a step for the answer.
+the step thread (`lookup.PrefixLookup`): the request waits a step for the answer. So is the
+peer a request names in `kv_transfer_params.remote_kv_source` (`peer_source.py`), for the
+chunks that neither holds: the workers then pull those from it.
 
     get_num_new_matched_tokens   whole chunks from the start that are held, up to the last
                                  prompt token (which must be computed): an async load;
