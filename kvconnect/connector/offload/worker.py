@@ -333,16 +333,16 @@ class OffloadWorker:
             )
 
     def shutdown(self) -> None:
-        if self.peer_server is not None:
+        if self.peer_server is not None:  # first: no peer's read is queued after this
             self.peer_server.close()
-        for client in self._peer_clients.values():
-            client.close()
         self.drain(timeout=5.0)
         with self._cond:
             self._stop = True
             self._cond.notify_all()
         if self._thread is not None:
             self._thread.join(timeout=5.0)
+        for client in self._peer_clients.values():  # the I/O thread's, now that it is done
+            client.close()
         for tier in self.tiers:
             tier.close()
 

@@ -258,3 +258,10 @@ def test_an_err_answer_is_a_tier_error_naming_it() -> None:
                 c.held_prefix([key(0)])
         finally:
             c.close()
+
+
+def test_a_server_closes_once_and_a_second_close_does_nothing() -> None:
+    with serving() as (server, client):
+        assert client().held_prefix([key(0)]) == 1
+        server.close()
+        server.close()  # returns at once: the worker's shutdown may come twice

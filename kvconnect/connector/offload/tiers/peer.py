@@ -176,9 +176,14 @@ class PeerServer:
             raise _Refused(f"key {key[:80]!r} is not one of this rank's ({self._prefix}...)")
 
     def close(self) -> None:
+        """Stop serving (once; later calls do nothing)."""
+        if not self._thread.is_alive():
+            return
         with self._ctx.socket(zmq.PAIR) as wake:
+            wake.setsockopt(zmq.LINGER, 0)
             wake.connect(self._wake_addr)
-            wake.send(b"")
+            with contextlib.suppress(zmq.Again):
+                wake.send(b"", zmq.NOBLOCK)
             self._thread.join(5.0)
 
 
