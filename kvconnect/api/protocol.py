@@ -103,19 +103,53 @@ class StreamOptions(msgspec.Struct):
     include_usage: bool = False
 
 
+PeerHost = Annotated[str, msgspec.Meta(min_length=1, max_length=253, pattern=r"^[A-Za-z0-9.:_-]+$")]
+
+
 class RemoteKVSource(msgspec.Struct, forbid_unknown_fields=True):
     """A peer instance to pull the prompt's KV from (rank 0's peer port; rank r: port + r)."""
 
-    host: Annotated[str, msgspec.Meta(min_length=1, max_length=253, pattern=r"^[A-Za-z0-9.:_-]+$")]
+    host: PeerHost
     port: Annotated[int, msgspec.Meta(ge=1, le=65535)]
+
+
+LeaseId = Annotated[str, msgspec.Meta(min_length=1, max_length=256, pattern=r"^[\x21-\x7e]+$")]
+ChunkHash = Annotated[str, msgspec.Meta(min_length=2, max_length=128, pattern=r"^([0-9a-f]{2})+$")]
 
 
 class KVTransferParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     """vLLM's `kv_transfer_params`, for the connector: what kvconnect's offload connector
-    reads from it (an unknown key is a 400, not silently ignored)."""
+    reads from it (an unknown key is a 400, not silently ignored). Two forms:
+    `remote_kv_source`, and P/D in NixlConnector's handshake: `do_remote_decode` to the
+    prefill instance (a proxy sends the other keys as null), whose answer's params, with
+    `do_remote_prefill`, go to the decode instance unchanged."""
 
     remote_kv_source: RemoteKVSource | None = None
     """Pull the longest prefix this peer holds in its tiers, compute the rest."""
+    do_remote_decode: bool = False
+    """P/D, to the prefill instance: lease the prompt's chunks, answer where they are."""
+    do_remote_prefill: bool = False
+    """P/D, to the decode instance: pull from remote_host:remote_port, compute the rest."""
+    remote_host: PeerHost | None = None
+    remote_port: Annotated[int, msgspec.Meta(ge=1, le=65535)] | None = None
+    remote_engine_id: Annotated[str, msgspec.Meta(max_length=256)] | None = None
+    remote_request_id: LeaseId | None = None
+    """The prefill's lease, released once pulled."""
+    remote_block_ids: Annotated[list[Any], msgspec.Meta(max_length=1 << 16)] | None = None
+    """NixlConnector's; kvconnect names chunks by `remote_chunk_hashes` and ignores it."""
+    tp_size: Annotated[int, msgspec.Meta(ge=1, le=1024)] | None = None
+    remote_num_tokens: Annotated[int, msgspec.Meta(ge=0)] | None = None
+    remote_blocks_expiry_time: float | None = None
+    remote_chunk_hashes: Annotated[list[ChunkHash], msgspec.Meta(max_length=4096)] | None = None
+    """The last block hash (hex) of each chunk the prefill instance leased, from the first."""
+
+    def __post_init__(self) -> None:
+        if self.do_remote_prefill and (self.remote_host is None or self.remote_port is None):
+            raise msgspec.ValidationError(
+                "do_remote_prefill needs remote_host and remote_port (the prefill answer's)"
+            )
+        if self.do_remote_prefill and self.do_remote_decode:
+            raise msgspec.ValidationError("do_remote_prefill and do_remote_decode are exclusive")
 
 
 class BaseRequest(msgspec.Struct, kw_only=True):

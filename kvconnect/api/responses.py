@@ -105,12 +105,16 @@ class Envelope:
         choices: list[dict[str, Any]],
         usage: Usage,
         prompt_logprobs: list[Any] | None = None,
+        kv_transfer_params: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
-        """The whole answer; a chat's `prompt_logprobs` (vLLM's) are the answer's own."""
+        """The whole answer; a chat's `prompt_logprobs` (vLLM's) are the answer's own, and
+        so are the connector's `kv_transfer_params` (a P/D prefill's: where its KV is)."""
         obj = "chat.completion" if self.chat else "text_completion"
         body = {**self._head(obj), "choices": choices, "usage": usage.body()}
         if prompt_logprobs is not None:
             body["prompt_logprobs"] = prompt_logprobs
+        if kv_transfer_params is not None:
+            body["kv_transfer_params"] = kv_transfer_params
         return body
 
     def chunk(

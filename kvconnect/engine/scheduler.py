@@ -448,12 +448,12 @@ class Scheduler:
         req.status = status
         self._finished_req_ids.add(req.request_id)
         del self.requests[req.request_id]
-        hold = False
+        hold, params = False, None
         if self.connector is not None:
             hold, params = self.connector.request_finished(
                 req, self.kv_cache_manager.block_ids(req.request_id)
             )
-            req.kv_transfer_params = params
+        req.kv_transfer_params = params  # the answer's: the connector's alone, as vLLM's
         if hold:
             self._saving[req.request_id] = req
         elif free:

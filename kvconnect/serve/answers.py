@@ -177,7 +177,8 @@ class Answer:
                 )
             )
         top = prompt_lps if self.envelope.chat else None
-        return web.json_response(self.envelope.body(choices, self.usage(finals), top))
+        params = next((r.kv_transfer_params for r in finals if r.kv_transfer_params), None)
+        return web.json_response(self.envelope.body(choices, self.usage(finals), top, params))
 
     async def stream(
         self, http: web.Request, deadline: float | None, timed_out: Callable[[], ApiError]

@@ -8,6 +8,9 @@ reaches B's cache, and computes the rest; B then holds them (its cpu tier announ
     B, a host not in its peer sources        not contacted: cached_tokens 0, the same answer
     B, a source that never answers           1 s (timeout_s), then computed: the same answer
     B, a source that serves other chunks     refused (integrity), computed: the same answer
+    P/D: A with do_remote_decode, max_tokens 1   its answer names its peer port and chunks
+         B with A's answer's params              pulls them (cached_tokens 128), A's answer;
+                                                 A's lease is released
 """
 
 from __future__ import annotations
@@ -214,6 +217,122 @@ def test_a_source_that_serves_another_prompts_chunks_is_refused(
     assert len(served) == 4
     assert metric(b, "kvconnect_connector_num_peer_integrity_misses_total") == refused + 4
     assert "its token ids differ" in b.logs()
+
+
+TO_PREFILL = {  # what vLLM's toy proxy (and llm-d's sidecar) send to P
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+
+
+def prefill(server: Serve, tokens: list[int]) -> dict[str, Any]:
+    """Step 1 of the handshake, as the toy proxy sends it: P's answer's kv_transfer_params."""
+    status, body, _ = post(
+        server.url + "/v1/completions",
+        {
+            "model": "tiny",
+            "prompt": tokens,
+            "max_tokens": 1,
+            "temperature": 0,
+            "stream": False,
+            "kv_transfer_params": TO_PREFILL,
+        },
+    )
+    assert status == 200, body
+    params: dict[str, Any] = body["kv_transfer_params"]
+    return params
+
+
+def test_pd_in_nixl_connectors_handshake(pair: tuple[Serve, Serve, int]) -> None:
+    """P answers `do_remote_decode` with NixlConnector's keys naming its peer port and the 4
+    chunks it leased; D, given them unchanged (at once: P's stores may still be on their
+    way), pulls the 4 chunks and decodes: P's own answer to the whole request. D then
+    releases P's lease."""
+    a, b, a_port = pair
+    tokens = prompt(7)
+    released = metric(a, "kvconnect_connector_num_leases_released_total")
+    params = prefill(a, tokens)
+    assert params["do_remote_prefill"] is True and params["do_remote_decode"] is False
+    assert (params["remote_host"], params["remote_port"]) == ("127.0.0.1", a_port)
+    assert params["remote_num_tokens"] == 4 * CHUNK and len(params["remote_chunk_hashes"]) == 4
+    assert params["tp_size"] == 1 and params["remote_engine_id"]
+    assert params["remote_blocks_expiry_time"] > time.time() + 20  # the 30 s lease
+    decoded = complete(b, tokens, kv_transfer_params=params)
+    assert decoded == (complete(a, tokens)[0], 4 * CHUNK)
+
+    def lease_released() -> bool:
+        complete(a, [1, 2, 3])  # A's workers report their counts with a step's output
+        return metric(a, "kvconnect_connector_num_leases_released_total") == released + 1
+
+    wait_for(lease_released, timeout=30, what="P's lease released by D")
+    assert metric(a, "kvconnect_connector_num_leases_granted_total") >= 1
+
+
+def test_pd_from_a_prefill_of_another_prompt_or_a_dead_one_computes(
+    pair: tuple[Serve, Serve, int],
+) -> None:
+    """D given a prefill's params for another prompt names the mismatch and computes; D given
+    params naming a prefill that never answers computes after its timeout. The same answer
+    either way."""
+    a, b, _ = pair
+    tokens = prompt(8)
+    text, _ = complete(a, tokens)
+    other = prefill(a, prompt(9))
+    assert complete(b, tokens, kv_transfer_params=other) == (text, 0)
+    assert "leased other chunks than this prompt's" in b.logs()
+    tokens = prompt(10)
+    text, _ = complete(a, tokens)
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        port = silent.getsockname()[1]
+        dead = {**prefill(a, tokens), "remote_port": port}
+        start = time.monotonic()
+        assert complete(b, tokens, kv_transfer_params=dead) == (text, 0)
+        assert time.monotonic() - start >= 1.0  # it was asked: B waited its timeout_s
+    assert f"peer 127.0.0.1:{port} lookup failed" in b.logs()
+
+
+@pytest.mark.parametrize(
+    ("params", "named"),
+    [
+        ({"do_remote_prefill": True, "remote_port": 7000}, "remote_host"),
+        ({"do_remote_prefill": True, "remote_host": "h", "remote_port": 0}, "remote_port"),
+        (
+            {
+                "do_remote_decode": True,
+                "do_remote_prefill": True,
+                "remote_host": "h",
+                "remote_port": 1,
+            },
+            "exclusive",
+        ),
+        (
+            {
+                "do_remote_prefill": True,
+                "remote_host": "h",
+                "remote_port": 1,
+                "remote_chunk_hashes": ["xyz"],
+            },
+            "remote_chunk_hashes",
+        ),
+        ({"do_remote_decode": True, "dcp_size": 1}, "dcp_size"),
+    ],
+)
+def test_malformed_pd_params_are_a_400_naming_what(
+    pair: tuple[Serve, Serve, int], params: dict[str, Any], named: str
+) -> None:
+    _, b, _ = pair
+    status, body, _ = post(
+        b.url + "/v1/completions",
+        {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 1, "kv_transfer_params": params},
+    )
+    assert status == 400, body
+    assert named in body["error"]["message"], body
 
 
 def _ask(ctx: zmq.Context[zmq.Socket[bytes]], endpoint: str, verb: bytes, arg: bytes) -> bytes:

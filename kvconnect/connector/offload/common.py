@@ -112,8 +112,11 @@ MAX_PEER_SOURCES = 64
 
 class PeerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """`kv_connector_extra_config["peer"]`: this instance serves the chunks of its local tiers
-    to other instances and pulls from the one a request names (`kv_transfer_params`'
-    `remote_kv_source`: {host, port}) into its own blocks (tiers/peer.py)."""
+    to other instances and pulls from the one a request names into its own blocks
+    (tiers/peer.py), in either form of `kv_transfer_params`: `remote_kv_source` {host, port},
+    or a decode request's `do_remote_prefill` with the prefill instance's `remote_host` and
+    `remote_port` (NixlConnector's handshake; a `do_remote_decode` request leases its chunks
+    and answers with those, leases.py)."""
 
     port: Port
     """TP rank r serves on port + r (a request names a source by its rank 0's port)."""
@@ -128,6 +131,24 @@ class PeerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     hmac_key_file: str = ""
     """A file holding a secret every peer shares (mode 0600, at least 16 bytes): served chunks
     are signed with it and pulled ones must be."""
+    kv_lease_duration: Seconds = 30.0
+    """P/D: how long a `do_remote_decode` request's chunks stay leased (not evicted from the
+    cpu tier) for the decode instance that is to pull them, unless it releases them first
+    (vLLM's NixlConnector has the same key and default)."""
+    advertise_host: Host | None = None
+    """P/D: the host a `do_remote_decode` answer tells the decode instance to pull from
+    (default: `host`; needed when `host` is a wildcard such as 0.0.0.0)."""
+
+    def __post_init__(self) -> None:
+        if self.advertise_host is None and self.host in ("0.0.0.0", "::", "*", "[::]"):
+            raise ValueError(
+                f"peer.host={self.host!r} listens everywhere: set peer.advertise_host to the "
+                "address other instances reach this one at"
+            )
+
+    @property
+    def reachable_host(self) -> str:
+        return self.advertise_host or self.host
 
 
 class OffloadConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -251,6 +272,18 @@ class LoadSpec:
     """(host, rank 0's port) of the peer that holds `chunks[from_source:]` (the earlier ones
     come from this instance's tiers)."""
     from_source: int = 0
+    lease: str | None = None
+    """P/D: the lease at `source` to release once pulled (its `remote_request_id`)."""
+
+
+@dataclass
+class LeaseSpec:
+    """P/D: chunks every worker keeps for a decode instance (leases.py)."""
+
+    lease_id: str
+    last_block_hashes: list[bytes]
+    expires_at: float
+    """Wall-clock time (`time.time()`), as the answer tells the decode instance."""
 
 
 @dataclass
@@ -265,6 +298,7 @@ class OffloadMetadata(KVConnectorMetadata):
     """The engine computes nothing this step (it only waits, for loads among others): a
     worker with loads under way may wait a little for one, off the GIL (see the vLLM
     plugin's get_finished), instead of the engine spinning against its I/O thread."""
+    leases: list[LeaseSpec] = field(default_factory=list)
 
 
 @dataclass

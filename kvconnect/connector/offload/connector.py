@@ -127,8 +127,9 @@ class OffloadConnector(OffloadHalves, KVConnectorBase):
     def request_finished(
         self, request: ConnectorRequest, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        self._sched().request_finished(request)
-        return False, None  # chunks were copied out when computed: blocks are free to go
+        # Chunks were copied out when computed: the blocks are free to go. A P/D prefill's
+        # answer names where its (leased) chunks are.
+        return False, self._sched().request_finished(request)
 
     def take_events(self) -> list[KVCacheEvent]:
         return self._sched().take_events()

@@ -2,7 +2,13 @@
 that peer holds (asked off the step thread, as a shared tier is: `lookup.PrefixLookup`).
 
     kv_transfer_params = {"remote_kv_source": {"host": "10.0.0.7", "port": 7100}}
-    peers.source_of(request)      ("10.0.0.7", 7100), or None: none named, or not allowed
+      or, from a prefill instance's answer (P/D, NixlConnector's handshake):
+    kv_transfer_params = {"do_remote_prefill": True, "remote_host": "10.0.0.7",
+                          "remote_port": 7100, "remote_request_id": "...",
+                          "remote_chunk_hashes": ["9f..", ...], ...}
+    peers.source_of(request)      a Named: (host, port), the lease to release, the chunks
+                                  the source says it holds; None: none named, not allowed,
+                                  or malformed (logged; the prompt is computed)
     peers.ask(request_id, start, chunks, source)   as PrefixLookup.ask, at that peer
     peers.forget(request_id)
 
@@ -18,12 +24,13 @@ import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from kvconnect.connector.base import ConnectorRequest
 from kvconnect.connector.offload.common import PeerConfig
 from kvconnect.connector.offload.lookup import PrefixLookup
-from kvconnect.connector.offload.tiers.base import TierError
+from kvconnect.connector.offload.tiers.base import TierError, TierUnavailable
 from kvconnect.connector.offload.tiers.peer import PeerClient
 
 logger = logging.getLogger(__name__)
@@ -32,17 +39,57 @@ MAX_PEERS = 16
 """Peers asked at once; the least recently asked one's lookup closes beyond this."""
 
 
-def named_source(params: dict[str, Any] | None) -> tuple[str, int] | None:
-    """`remote_kv_source`'s (host, port) in a request's `kv_transfer_params` (checked at the
-    HTTP boundary; an engine's caller in code gets a ValueError for a malformed one)."""
-    if not params or params.get("remote_kv_source") is None:
+MAX_CHUNK_HASHES = 4096
+MAX_LEASE_ID = 256
+
+
+@dataclass(frozen=True)
+class Named:
+    """The peer a request names, and what a prefill instance's answer said with it."""
+
+    addr: tuple[str, int]
+    lease: str | None = None
+    """P/D: the lease to release at the source once pulled (`remote_request_id`)."""
+    chunk_hashes: tuple[bytes, ...] | None = None
+    """P/D: the last block hash of each chunk the source leased, from the first."""
+
+
+def named_source(params: dict[str, Any] | None) -> Named | None:
+    """The peer in a request's `kv_transfer_params`, in either form (checked at the HTTP
+    boundary; a caller in code, or vLLM's server, gets a ValueError naming what is wrong)."""
+    if not params:
         return None
-    source = params["remote_kv_source"]
-    host = source.get("host") if isinstance(source, dict) else None
-    port = source.get("port") if isinstance(source, dict) else None
+    if params.get("do_remote_prefill"):
+        host, port = params.get("remote_host"), params.get("remote_port")
+        what = "kv_transfer_params.remote_host/remote_port"
+    elif params.get("remote_kv_source") is not None:
+        source = params["remote_kv_source"]
+        host = source.get("host") if isinstance(source, dict) else None
+        port = source.get("port") if isinstance(source, dict) else None
+        what = f"kv_transfer_params.remote_kv_source {source!r}"
+    else:
+        return None
     if not isinstance(host, str) or not host or not isinstance(port, int) or not 0 < port < 65536:
-        raise ValueError(f"kv_transfer_params.remote_kv_source {source!r}: needs host and port")
-    return host, port
+        raise ValueError(f"{what}: needs a host and a port")
+    if not params.get("do_remote_prefill"):
+        return Named((host, port))
+    lease = params.get("remote_request_id")
+    if lease is not None and (
+        not isinstance(lease, str) or not 0 < len(lease) <= MAX_LEASE_ID or not lease.isascii()
+    ):
+        raise ValueError(f"kv_transfer_params.remote_request_id: 1-{MAX_LEASE_ID} ASCII characters")
+    hashes = params.get("remote_chunk_hashes")
+    if hashes is None:
+        return Named((host, port), lease)
+    try:
+        if not isinstance(hashes, list) or len(hashes) > MAX_CHUNK_HASHES:
+            raise ValueError
+        chunk_hashes = tuple(bytes.fromhex(h) for h in hashes)
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"kv_transfer_params.remote_chunk_hashes: at most {MAX_CHUNK_HASHES} hex strings"
+        ) from None
+    return Named((host, port), lease, chunk_hashes)
 
 
 class PeerHolder:
@@ -71,6 +118,12 @@ class PeerHolder:
         self._greeted = False
 
     def num_held_prefix(self, chunks: Sequence[Sequence[str]]) -> int:
+        try:
+            return self._num_held_prefix(chunks)
+        except TierUnavailable as e:  # a silent peer: no back-off logged it, so warn
+            raise TierError(str(e)) from None
+
+    def _num_held_prefix(self, chunks: Sequence[Sequence[str]]) -> int:
         if not self._greeted:
             for client in self.clients:
                 try:
@@ -100,22 +153,27 @@ class PeerSources:
         self._refused: set[str] = set()
         self._lock = threading.Lock()
 
-    def source_of(self, request: ConnectorRequest) -> tuple[str, int] | None:
+    def source_of(self, request: ConnectorRequest) -> Named | None:
         """The peer `request` names, if it may be asked."""
-        source = named_source(request.kv_transfer_params)
-        if source is None:
+        try:
+            named = named_source(request.kv_transfer_params)
+        except ValueError as e:  # vLLM's server passes kv_transfer_params on unchecked
+            logger.warning("offload: request %s: %s; computing its prompt", request.request_id, e)
             return None
-        if source[0] not in self.config.sources:
-            if source[0] not in self._refused and len(self._refused) < 1024:
-                self._refused.add(source[0])
+        if named is None:
+            return None
+        host = named.addr[0]
+        if host not in self.config.sources:
+            if host not in self._refused and len(self._refused) < 1024:
+                self._refused.add(host)
                 logger.warning(
-                    "offload: remote_kv_source host %r is not in the peer config's sources "
-                    "%s: not contacted, its requests compute their prompts",
-                    source[0],
+                    "offload: peer host %r is not in the peer config's sources %s: not "
+                    "contacted, its requests compute their prompts",
+                    host,
                     list(self.config.sources),
                 )
             return None
-        return source
+        return named
 
     def ask(
         self,

@@ -13,13 +13,27 @@ chunks that neither holds: the workers then pull those from it.
     update_state_after_alloc     the load's target blocks -> a LoadSpec for the workers
     build_connector_meta         this step's loads, and the chunks whose tokens became
                                  computed in this step (saves)
+    request_finished             P/D: a `do_remote_decode` request leases its prompt's
+                                 chunks and answers with what the decode instance needs
+                                 (NixlConnector's keys, and `remote_chunk_hashes`)
+
+P/D in NixlConnector's handshake (vLLM's toy proxy, llm-d's sidecar and kvconnect's router
+drive it unchanged): the request to P has `do_remote_decode: true` and runs as any other; its
+chunks are saved as they are computed. When it finishes, every worker leases them (leases.py:
+kept in the cpu tier for `kv_lease_duration`), and the answer's `kv_transfer_params` name P's
+peer port. The request to D carries them: `do_remote_prefill` names the source, the load is
+a peer pull like `remote_kv_source`'s (the same checks), and D's ranks release the lease
+after pulling. Whatever is not pulled is computed.
 """
 
 from __future__ import annotations
 
 import logging
+import time
+import uuid
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Any
 
 from kvconnect.connector.base import (
     ConnectorRequest,
@@ -31,6 +45,7 @@ from kvconnect.connector.events import EventQuorum, KVEventsWorkerMetadata
 from kvconnect.connector.offload.common import (
     GROUP_IDX,
     ChunkInfo,
+    LeaseSpec,
     LoadSpec,
     OffloadConfig,
     OffloadMetadata,
@@ -41,7 +56,7 @@ from kvconnect.connector.offload.common import (
     key_namespace,
 )
 from kvconnect.connector.offload.lookup import PrefixLookup
-from kvconnect.connector.offload.peer_source import PeerSources
+from kvconnect.connector.offload.peer_source import Named, PeerSources
 from kvconnect.connector.offload.tiers import RemovalWatcher, TierPlacement, create_tier
 from kvconnect.connector.offload.tiers.base import read_mac_key
 from kvconnect.events import (
@@ -57,6 +72,9 @@ logger = logging.getLogger(__name__)
 
 MAX_UNCONFIRMED = 1 << 16
 """Saved chunks whose shared store is not yet confirmed, remembered for the watcher."""
+FINISHED_WHOLE = frozenset({"FINISHED_STOPPED", "FINISHED_LENGTH", "FINISHED_LENGTH_CAPPED"})
+"""Statuses (kvconnect's and vLLM's names) of a request that ran to its end: only such a
+prefill leases its chunks."""
 
 
 @dataclass
@@ -124,7 +142,10 @@ class OffloadScheduler:
         self._raw_by_wire: OrderedDict[int | bytes, bytes] = OrderedDict()
         self._shared_gone: list[bytes] = []
         # request -> (first token, num chunks, the peer and the first chunk it holds)
-        self._plans: dict[str, tuple[int, int, tuple[str, int] | None, int]] = {}
+        self._plans: dict[str, tuple[int, int, Named | None, int]] = {}
+        self._leases: list[LeaseSpec] = []
+        engine_id = getattr(context.kv_transfer_config, "engine_id", None)
+        self.engine_id = engine_id or str(uuid.uuid4())
         self._loads: list[LoadSpec] = []
         self._tracked: dict[str, _Tracked] = {}
         self._ready: list[KVCacheEvent] = []
@@ -186,9 +207,10 @@ class OffloadScheduler:
         source, from_source = None, num
         if num < max_chunks and self.peers is not None:
             source = self.peers.source_of(request)
-            if source is not None:
-                chunks = [self._rank_keys(h) for h in last[num:]]
-                num_peer = self.peers.ask(request.request_id, num, chunks, source)
+            end = max_chunks if source is None else self._agreed(request, source, last)
+            if source is not None and num < end:
+                chunks = [self._rank_keys(h) for h in last[num:end]]
+                num_peer = self.peers.ask(request.request_id, num, chunks, source.addr)
                 if num_peer is None:
                     return None, False
                 num += num_peer
@@ -197,6 +219,27 @@ class OffloadScheduler:
             return 0, False
         self._plans[request.request_id] = (num_computed_tokens, num, source, from_source)
         return num_tokens - num_computed_tokens, True
+
+    def _agreed(self, request: ConnectorRequest, source: Named, last: list[bytes]) -> int:
+        """How many of the request's first chunks the source may be asked for: all, unless a
+        prefill instance listed its chunks (P/D), then those from the first that are this
+        prompt's (another hash seed or salt there shares none: logged)."""
+        if source.chunk_hashes is None:
+            return len(last)
+        num = 0
+        while num < min(len(last), len(source.chunk_hashes)) and (
+            last[num] == source.chunk_hashes[num]
+        ):
+            num += 1
+        if num == 0 and last and source.chunk_hashes:
+            logger.warning(
+                "offload: request %s: the prefill instance %s:%d leased other chunks than this "
+                "prompt's (do both run the same model, PYTHONHASHSEED and cache_salt?): "
+                "computing it",
+                request.request_id,
+                *source.addr,
+            )
+        return num
 
     def _max_hit(self, request: ConnectorRequest) -> int:
         """The most tokens a hit may cover: whole blocks, the last prompt token excluded."""
@@ -221,7 +264,8 @@ class OffloadScheduler:
         block_ids = block_ids[: min(num * c, self._max_hit(request)) // bs]
         spec = LoadSpec(request.request_id, [], [], [])
         if source is not None and from_source < num:
-            spec.source, spec.from_source = source, max(0, from_source - start // c)
+            spec.source, spec.from_source = source.addr, max(0, from_source - start // c)
+            spec.lease = source.lease
         for i in range(start // c, num):
             spec.chunks.append(
                 self.chunk_info(
@@ -243,9 +287,10 @@ class OffloadScheduler:
             reset=self._reset,
             shared_gone=self._shared_gone,
             idle=not scheduler_output.scheduled,
+            leases=self._leases,
         )
-        self._loads, self._reset, self._shared_gone = [], False, []
-        self._unreported = self._unreported or bool(meta.loads or meta.reset)
+        self._loads, self._reset, self._shared_gone, self._leases = [], False, [], []
+        self._unreported = self._unreported or bool(meta.loads or meta.reset or meta.leases)
         for new in scheduler_output.scheduled_new_reqs:
             self._tracked[new.request_id] = _Tracked(
                 list(new.all_token_ids), list(new.block_hashes), new.cache_salt
@@ -313,6 +358,7 @@ class OffloadScheduler:
         removals the watcher noticed): the engine should keep stepping, even idle."""
         return (
             self._reset  # the workers must be told, even on an idle engine
+            or bool(self._leases)
             or self._unreported
             or any(self.pending_io.values())
             or self.quorum.num_pending > 0
@@ -336,10 +382,41 @@ class OffloadScheduler:
         if self.peers is not None:
             self.peers.forget(request_id)
 
-    def request_finished(self, request: ConnectorRequest) -> None:
-        self._tracked.pop(request.request_id, None)
+    def request_finished(self, request: ConnectorRequest) -> dict[str, Any] | None:
+        """The answer's `kv_transfer_params`: for a prefill of P/D (`do_remote_decode`),
+        what the decode instance needs, its chunks leased to it; else None."""
+        tracked = self._tracked.pop(request.request_id, None)
         self._plans.pop(request.request_id, None)
         self._forget(request.request_id)
+        params = request.kv_transfer_params
+        if not params or not params.get("do_remote_decode") or tracked is None:
+            return None
+        status = getattr(getattr(request, "status", None), "name", None)
+        if self.config.peer is None or status not in FINISHED_WHOLE or not tracked.next_chunk:
+            if self.config.peer is None:
+                logger.warning(
+                    "offload: request %s asks for do_remote_decode, but this instance has "
+                    "no peer config to serve its KV from: the decode instance computes it",
+                    request.request_id,
+                )
+            return None
+        peer, per = self.config.peer, self.config.blocks_per_chunk
+        last = [tracked.block_hashes[(i + 1) * per - 1] for i in range(tracked.next_chunk)]
+        expires_at = time.time() + peer.kv_lease_duration
+        self._leases.append(LeaseSpec(request.request_id, last, expires_at))
+        return {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_engine_id": self.engine_id,
+            "remote_request_id": request.request_id,
+            "remote_host": peer.reachable_host,
+            "remote_port": peer.port,
+            "remote_block_ids": None,
+            "tp_size": self.context.world_size,
+            "remote_num_tokens": tracked.next_chunk * self.config.chunk_size,
+            "remote_blocks_expiry_time": expires_at,
+            "remote_chunk_hashes": [h.hex() for h in last],
+        }
 
     def reset_cache(self) -> bool:
         """The local tiers are emptied by the workers at the next step: from now on nothing

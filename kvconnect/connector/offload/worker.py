@@ -29,7 +29,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import deque
+import time
+from collections import Counter, deque
 from collections.abc import Iterator, Mapping
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -53,6 +54,7 @@ from kvconnect.connector.offload.common import (
 from kvconnect.connector.offload.device import DeviceOps, Stream, device_ops_for
 from kvconnect.connector.offload.kinds import TierKind
 from kvconnect.connector.offload.layout import PagedKV, from_kv_planes
+from kvconnect.connector.offload.leases import Leases
 from kvconnect.connector.offload.tiers import TierPlacement, create_tier
 from kvconnect.connector.offload.tiers.base import (
     Evicted,
@@ -66,6 +68,7 @@ from kvconnect.connector.offload.tiers.base import (
     pack,
     read_mac_key,
 )
+from kvconnect.connector.offload.tiers.cpu import CpuTier
 from kvconnect.connector.offload.tiers.peer import REPLY_SLACK, PeerClient, PeerServer
 from kvconnect.events import BlockRemoved, BlockStored, KVCacheEvent
 
@@ -163,6 +166,8 @@ class OffloadWorker:
         self._loads: deque[LoadJob] = deque()
         self._stores: deque[StoreJob] = deque()
         self._serves: deque[ServeJob] = deque()
+        self._storing: Counter[str] = Counter()  # keys of the store jobs queued or running
+        self.leases = Leases()
         self.peer_server: PeerServer | None = None
         self._peer_clients: dict[tuple[str, int], PeerClient] = {}
         peer = config.peer
@@ -206,6 +211,9 @@ class OffloadWorker:
             except TierTooSmall as e:  # the chunk size is known only here, with the cache
                 logger.warning("offload: %s; running without that tier", e)
         for tier in self.tiers:
+            if isinstance(tier, CpuTier):
+                tier.leased = self.leases.__contains__
+        for tier in self.tiers:
             for _, info in tier.entries():  # found again after a restart
                 self._events.append(stored_event(info, tier.kind))
         self._thread = threading.Thread(target=self._io_loop, name="kv-offload-io", daemon=True)
@@ -219,6 +227,7 @@ class OffloadWorker:
                 self.namespace,
                 held=self._held_prefix,
                 read=self._serve_read,
+                release=self._release_lease,
             )
 
     def _key(self, info: ChunkInfo) -> str:
@@ -237,6 +246,7 @@ class OffloadWorker:
 
     def start_load_kv(self, meta: OffloadMetadata) -> None:
         ready = self._ops().record(Stream.COMPUTE) if meta.loads else None
+        self._lease(meta)
         with self._cond:
             if meta.reset:
                 self._resets += 1
@@ -270,6 +280,7 @@ class OffloadWorker:
             job = self._copy_out(key, save.chunk, save.block_ids, ready)
             with self._cond:
                 self._stores.append(job)
+                self._storing[key] += 1
                 self._cond.notify()
 
     def _copy_out(self, key: str, info: ChunkInfo, block_ids: list[int], ready: Any) -> StoreJob:
@@ -390,9 +401,15 @@ class OffloadWorker:
             if job.done.set_running_or_notify_cancel():  # not given up on by its server
                 job.done.set_result(self._serialised(job.key))
         else:
-            ops = self._ops()
-            ops.synchronize(job.copied)
-            self._store(job.key, job.chunk, ops.release(job.data))
+            try:
+                ops = self._ops()
+                ops.synchronize(job.copied)
+                self._store(job.key, job.chunk, ops.release(job.data))
+            finally:
+                with self._lock:
+                    self._storing[job.key] -= 1
+                    if self._storing[job.key] <= 0:
+                        del self._storing[job.key]
 
     def _emit(self, *events: KVCacheEvent) -> None:
         with self._lock:
@@ -470,6 +487,11 @@ class OffloadWorker:
                 self._count("num_load_errors")
                 self._load_errors |= failed
             self._finished_loads.add(spec.request_id)
+        if spec.source is not None and spec.lease is not None:
+            try:  # after the load is reported: the request does not wait for this
+                self._peer_client(spec.source).release(spec.lease)
+            except TierError as e:  # the lease then expires at the source
+                logger.info("offload: peer %s:%d: release of %r: %s", *spec.source, spec.lease, e)
 
     def _fetch(self, key: str, info: ChunkInfo) -> torch.Tensor | None:
         local = [i for i, t in enumerate(self.tiers) if not t.shared]
@@ -546,10 +568,43 @@ class OffloadWorker:
             )
         return client
 
+    def _lease(self, meta: OffloadMetadata) -> None:
+        """Grant the step's leases (P/D) on this rank's keys of their chunks; end the ones
+        whose time is up."""
+        world, released = self.context.world_size, 0
+        for lease in meta.leases:
+            ttl = lease.expires_at - time.time()
+            keys = [chunk_key(self.namespace, world, self.rank, h) for h in lease.last_block_hashes]
+            if ttl > 0 and not self.leases.grant(lease.lease_id, keys, ttl):
+                released += 1  # its decode instance was faster than this step
+        expired = self.leases.expire()
+        with self._lock:
+            if meta.leases:
+                self._count("num_leases_granted", len(meta.leases))
+            if released:
+                self._count("num_leases_released", released)
+            if expired:
+                self._count("num_leases_expired", expired)
+
+    def _release_lease(self, lease_id: str) -> bool:
+        """For a peer (its server's thread): a decode instance has pulled what it leased."""
+        released = self.leases.release(lease_id)
+        if released:
+            with self._lock:
+                self._count("num_leases_released")
+        return released
+
     def _held_prefix(self, keys: list[str]) -> int:
         """For a peer (its server's thread): how many of `keys`, from the first, a local tier
-        holds (`contains` may be called from any thread)."""
+        holds (`contains` may be called from any thread). A chunk still on its way to the
+        tier (its store queued: the request that computed it may have answered already, as
+        a P/D prefill does at once) is waited for, up to half the peer timeout."""
         local = [t for t in self.tiers if not t.shared]
+        assert self.config.peer is not None
+        with self._cond:
+            self._cond.wait_for(
+                lambda: not any(k in self._storing for k in keys), self.config.peer.timeout_s / 2
+            )
         num = 0
         while num < len(keys) and any(t.contains(keys[num]) for t in local):
             num += 1

@@ -1,8 +1,13 @@
-"""Host-memory tier: a preallocated buffer cut into fixed-size slots, one chunk per slot, LRU."""
+"""Host-memory tier: a preallocated buffer cut into fixed-size slots, one chunk per slot, LRU.
+
+A chunk under a lease (`leased(key)`, set by the worker: a decode instance will pull it,
+leases.py) is not evicted: the least recently used chunk not leased goes instead, and when
+every slot is leased the put fails (`TierError`: the store is dropped and counted)."""
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Self
 
 import torch
@@ -13,6 +18,7 @@ from kvconnect.connector.offload.tiers.base import (
     Evicted,
     StoredChunk,
     Tier,
+    TierError,
     TierPlacement,
     TierTooSmall,
 )
@@ -38,6 +44,7 @@ class CpuTier(Tier):
         self._buffer = torch.empty((self.num_slots, *chunk_shape), dtype=dtype)
         self._free = list(range(self.num_slots - 1, -1, -1))
         self._index: OrderedDict[str, tuple[int, ChunkInfo]] = OrderedDict()
+        self.leased: Callable[[str], bool] | None = None
 
     def contains(self, key: str) -> bool:
         return key in self._index
@@ -48,13 +55,22 @@ class CpuTier(Tier):
             return []
         evicted = []
         if not self._free:
-            old_key, (slot, old_info) = self._index.popitem(last=False)
+            old_key = self._victim()
+            slot, old_info = self._index.pop(old_key)
             evicted.append(Evicted(old_key, old_info, self._buffer[slot].clone()))
             self._free.append(slot)
         slot = self._free.pop()
         self._buffer[slot].copy_(data)
         self._index[key] = (slot, info)
         return evicted
+
+    def _victim(self) -> str:
+        """The least recently used key not leased."""
+        leased = self.leased
+        for key in self._index:
+            if leased is None or not leased(key):
+                return key
+        raise TierError(f"cpu tier: all {self.num_slots} slots hold leased chunks")
 
     def load(self, key: str) -> StoredChunk | None:
         entry = self._index.get(key)

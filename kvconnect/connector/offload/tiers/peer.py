@@ -7,6 +7,8 @@ Over ZMQ: a ROUTER per serving rank, a DEALER per (source, rank) pulling. Every 
     HELLO  -                      OK  msgpack {world_size, rank, namespace}
     HAS    msgpack [key, ...]     OK  msgpack int: how many, from the first, are held
     GET    key                    OK  the chunk as tiers.base.pack's parts | MISS
+    RELEASE lease id (ASCII)      OK  msgpack bool: whether that lease was held (P/D: a
+                                  decode instance has pulled what it leased; leases.py)
     any malformed request         ERR what was wrong (the server serves on)
 
 The server never touches a tier: its owner answers through `held(keys)` (thread-safe:
@@ -52,12 +54,14 @@ REPLY_SLACK = 1 << 20
 """Bytes a chunk's serialised form may take beyond its payload (header, token ids, tag)."""
 WINDOW = 3
 """GETs a pull keeps outstanding (`fetch_many`)."""
-HELLO, HAS, GET = b"HELLO", b"HAS", b"GET"
+MAX_LEASE_ID_BYTES = 256
+HELLO, HAS, GET, RELEASE = b"HELLO", b"HAS", b"GET", b"RELEASE"
 OK, MISS, ERR = b"OK", b"MISS", b"ERR"
 
 Held = Callable[[list[str]], int]
 Read = Callable[[str], list[Any] | None]
 """A chunk as `tiers.base.pack`'s parts (bytes or buffers, sent as frames without a copy)."""
+Release = Callable[[str], bool]
 
 
 class _Hello(msgspec.Struct, array_like=True):
@@ -68,6 +72,7 @@ class _Hello(msgspec.Struct, array_like=True):
 
 _keys = msgspec.msgpack.Decoder(list[str])
 _int = msgspec.msgpack.Decoder(int)
+_bool = msgspec.msgpack.Decoder(bool)
 _hello = msgspec.msgpack.Decoder(_Hello)
 _encode = msgspec.msgpack.Encoder().encode
 
@@ -84,8 +89,11 @@ class PeerServer:
         namespace: str,
         held: Held,
         read: Read,
+        release: Release | None = None,
     ) -> None:
+        """`release(lease_id)`: end a lease (None: RELEASE always answers False)."""
         self.held, self.read = held, read
+        self.release = release or (lambda _: False)
         self._prefix = f"{namespace.replace('{', '(').replace('}', ')')}/{world_size}/{rank}/"
         self._hello = _encode(_Hello(world_size, rank, namespace))
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
@@ -169,7 +177,11 @@ class PeerServer:
             self._check_key(key)
             found = self.read(key)
             return (MISS, [b""]) if found is None else (OK, found)
-        raise _Refused(f"unknown verb {verb[:16]!r} (HELLO, HAS, GET)")
+        if verb == RELEASE:
+            if not 0 < len(arg) <= MAX_LEASE_ID_BYTES or not arg.isascii():
+                raise _Refused(f"RELEASE: a lease id is 1-{MAX_LEASE_ID_BYTES} ASCII bytes")
+            return OK, [_encode(bool(self.release(arg.decode("ascii"))))]
+        raise _Refused(f"unknown verb {verb[:16]!r} (HELLO, HAS, GET, RELEASE)")
 
     def _check_key(self, key: str) -> None:
         if len(key) > MAX_KEY_BYTES or not key.isascii() or not key.startswith(self._prefix):
@@ -319,6 +331,14 @@ class PeerClient:
             if num < len(batch):
                 break
         return total
+
+    def release(self, lease_id: str) -> bool:
+        """End lease `lease_id` at the peer; whether it held it."""
+        frames = self._ok(RELEASE, lease_id.encode("ascii"))
+        try:
+            return _bool.decode(frames[0].bytes)
+        except (msgspec.DecodeError, IndexError) as e:
+            raise TierError(f"peer {self.endpoint}: malformed RELEASE answer ({e})") from None
 
     def fetch(self, key: str, asked: ChunkInfo, placement: TierPlacement) -> StoredChunk | None:
         """Chunk `key`, checked to be the one `asked` describes on this rank (`IntegrityError`
