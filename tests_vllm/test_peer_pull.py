@@ -2,6 +2,8 @@
 CPU, block size 64, chunks of 256): a request to b whose `kv_transfer_params` (vLLM's own
 request field) names a's peer port pulls the 4 chunks a holds into b's blocks, and b answers as
 a does; a host not in b's peer sources is never asked, and b computes the same answer.
+P/D between the two, driven as vLLM's toy proxy drives NixlConnector pairs, decodes the
+monolithic answer; malformed params are a warning, and the engine serves on.
 """
 
 from __future__ import annotations
@@ -113,3 +115,49 @@ def test_a_host_not_in_the_sources_is_never_asked(
     assert complete(b, tokens, **source(a_port, host="localhost")) == (answer, 0)
     assert external_hits(b) == before
     assert "not in the peer config's sources" in b.log.read_text()
+
+
+TO_PREFILL = {  # what vLLM's toy proxy (and llm-d's sidecar) send to P
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+
+
+def test_pd_between_two_vllm_servers_in_nixl_connectors_handshake(
+    pair: tuple[VllmServer, VllmServer, int],
+) -> None:
+    """Driven as vLLM's toy proxy drives NixlConnector pairs: P (a) runs the prompt with
+    max_tokens 1 and answers, in vLLM's own `kv_transfer_params`, where its 4 leased chunks
+    are; D (b) gets the request with those params unchanged, pulls the chunks (vLLM counts
+    them as external prefix hits) and decodes the monolithic answer."""
+    a, b, a_port = pair
+    tokens = prompt(3)
+    body = {"model": "smollm2", "prompt": tokens, "max_tokens": 1, "temperature": 0}
+    answer, _ = post_json(a.url + "/v1/completions", {**body, "kv_transfer_params": TO_PREFILL})
+    params = answer["kv_transfer_params"]
+    assert params["do_remote_prefill"] is True and params["remote_port"] == a_port
+    assert params["remote_num_tokens"] == 4 * CHUNK and len(params["remote_chunk_hashes"]) == 4
+    before = external_hits(b)
+    decoded, cached = complete(b, tokens, kv_transfer_params=params)
+    assert external_hits(b) - before == 4 * CHUNK, b.log.read_text()[-3000:]
+    # vLLM's D reports P's own cache hits as its cached_tokens (P adds them to its params)
+    assert cached == params["remote_prefill_cached_tokens"] == 0
+    assert decoded == complete(a, tokens)[0]
+
+
+def test_malformed_params_are_a_warning_not_a_dead_engine(
+    pair: tuple[VllmServer, VllmServer, int],
+) -> None:
+    """vLLM's server passes kv_transfer_params on unchecked: the plugin names what is wrong
+    and computes; the engine serves on."""
+    a, b, _ = pair
+    tokens = prompt(4)
+    answer, _ = complete(a, tokens)
+    bad = {"kv_transfer_params": {"remote_kv_source": {"host": "127.0.0.1", "port": "x"}}}
+    assert complete(b, tokens, **bad) == (answer, 0)
+    assert "needs a host and a port" in b.log.read_text()
+    assert complete(b, tokens)[0] == answer
