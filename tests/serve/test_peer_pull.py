@@ -353,11 +353,11 @@ def test_every_rank_pulls_its_own_shard_and_another_tp_size_is_refused(
     """TP 2 on both sides: each rank pulls from the same rank of the source (port + rank), and
     the answer is the source's. An instance of TP 1 naming the same source is refused with a
     line naming both sizes, and computes."""
-    a_port = _two_ports()  # rank 1 serves on rank 0's port + 1
+    a_port = free_port(2)  # rank 1 serves on rank 0's port + 1
     tp2 = ("--tp", "2", "--distributed-executor-backend", "mp")
     details = "--enable-prompt-tokens-details"
     a = Serve(tmp_path, *tp2, "--kv-transfer-config", config(a_port), details)
-    b = Serve(tmp_path, *tp2, "--kv-transfer-config", config(_two_ports()), details)
+    b = Serve(tmp_path, *tp2, "--kv-transfer-config", config(free_port(2)), details)
     c = Serve(tmp_path, "--kv-transfer-config", config(free_port()), details)
     servers = [a, b, c]
     try:
@@ -374,15 +374,3 @@ def test_every_rank_pulls_its_own_shard_and_another_tp_size_is_refused(
         for s in servers:
             if s.proc is not None:
                 assert s.stop() == 0, s.logs()
-
-
-def _two_ports() -> int:
-    """A free port whose next one is free too (rank 1 serves there)."""
-    while True:
-        port = free_port()
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port + 1))
-            except OSError:
-                continue
-        return port

@@ -135,6 +135,11 @@ class PeerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """P/D: how long a `do_remote_decode` request's chunks stay leased (not evicted from the
     cpu tier) for the decode instance that is to pull them, unless it releases them first
     (vLLM's NixlConnector has the same key and default)."""
+    pd: bool = True
+    """P/D: answer and follow NixlConnector's handshake with kvconnect's own transfer. Set
+    false beside another P/D connector (NixlConnector) in a MultiConnector: that one answers
+    it (vLLM refuses two connectors that answer the same keys), and kvconnect then takes
+    only `remote_kv_source`."""
     advertise_host: Host | None = None
     """P/D: the host a `do_remote_decode` answer tells the decode instance to pull from
     (default: `host`; needed when `host` is a wildcard such as 0.0.0.0)."""

@@ -54,12 +54,17 @@ class Named:
     """P/D: the last block hash of each chunk the source leased, from the first."""
 
 
-def named_source(params: dict[str, Any] | None) -> Named | None:
+def named_source(params: dict[str, Any] | None, pd: bool = True) -> Named | None:
     """The peer in a request's `kv_transfer_params`, in either form (checked at the HTTP
-    boundary; a caller in code, or vLLM's server, gets a ValueError naming what is wrong)."""
+    boundary; a caller in code, or vLLM's server, gets a ValueError naming what is wrong).
+    `do_remote_prefill` is followed only with `pd` and only from a kvconnect prefill (its
+    answer has `remote_chunk_hashes`): another connector's (NixlConnector's beside this one
+    in a MultiConnector) names a port that speaks another protocol."""
     if not params:
         return None
     if params.get("do_remote_prefill"):
+        if not pd or "remote_chunk_hashes" not in params:
+            return None
         host, port = params.get("remote_host"), params.get("remote_port")
         what = "kv_transfer_params.remote_host/remote_port"
     elif params.get("remote_kv_source") is not None:
@@ -156,7 +161,7 @@ class PeerSources:
     def source_of(self, request: ConnectorRequest) -> Named | None:
         """The peer `request` names, if it may be asked."""
         try:
-            named = named_source(request.kv_transfer_params)
+            named = named_source(request.kv_transfer_params, self.config.pd)
         except ValueError as e:  # vLLM's server passes kv_transfer_params on unchecked
             logger.warning("offload: request %s: %s; computing its prompt", request.request_id, e)
             return None

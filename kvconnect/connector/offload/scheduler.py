@@ -392,13 +392,9 @@ class OffloadScheduler:
         if not params or not params.get("do_remote_decode") or tracked is None:
             return None
         status = getattr(getattr(request, "status", None), "name", None)
-        if self.config.peer is None or status not in FINISHED_WHOLE or not tracked.next_chunk:
-            if self.config.peer is None:
-                logger.warning(
-                    "offload: request %s asks for do_remote_decode, but this instance has "
-                    "no peer config to serve its KV from: the decode instance computes it",
-                    request.request_id,
-                )
+        if self.config.peer is None or not self.config.peer.pd:
+            return None  # another connector's handshake, or none: not ours to answer
+        if status not in FINISHED_WHOLE or not tracked.next_chunk:
             return None
         peer, per = self.config.peer, self.config.blocks_per_chunk
         last = [tracked.block_hashes[(i + 1) * per - 1] for i in range(tracked.next_chunk)]

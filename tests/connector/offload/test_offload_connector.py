@@ -22,20 +22,30 @@ from kvconnect.connector.aggregator import KVOutputAggregator
 from kvconnect.connector.offload.common import OffloadWorkerMetadata
 from kvconnect.connector.offload.connector import OffloadConnector
 from kvconnect.connector.step import run_worker_step
+from kvconnect.engine.request import RequestStatus
 from kvconnect.events import MEDIUMS, BlockRemoved, BlockStored, tier_of
 from kvconnect.hashing import block_hashes
 from tests.connector.helpers import roundtrip
 from tests.engine.test_scheduler import BS
+from tests.helpers import free_port, wait_for
 
 CHUNK = 8  # two blocks of 4
 
 
 class Loop:
-    def __init__(self, tiers: list[dict[str, Any]], world_size: int = 2) -> None:
+    def __init__(
+        self,
+        tiers: list[dict[str, Any]],
+        world_size: int = 2,
+        peer: dict[str, Any] | None = None,
+    ) -> None:
+        extra: dict[str, Any] = {"chunk_size": CHUNK, "tiers": tiers}
+        if peer is not None:
+            extra["peer"] = peer
         cfg = KVTransferConfig(
             kv_connector="OffloadConnector",
             kv_role="kv_both",
-            kv_connector_extra_config={"chunk_size": CHUNK, "tiers": tiers},
+            kv_connector_extra_config=extra,
         )
 
         def make(rank: int, role: KVConnectorRole) -> OffloadConnector:
@@ -95,11 +105,12 @@ class Loop:
 
 
 class Req:
-    def __init__(self, rid: str, tokens: list[int]) -> None:
+    def __init__(self, rid: str, tokens: list[int], params: dict[str, Any] | None = None) -> None:
         self.request_id, self.all_token_ids = rid, tokens
         self.block_hashes = block_hashes(tokens, BS)
-        self.kv_transfer_params = None
+        self.kv_transfer_params = params
         self.cache_salt = None
+        self.status = RequestStatus.FINISHED_LENGTH
 
 
 def held_by_events(events: list[Any]) -> dict[str, Counter[int | bytes]]:
@@ -318,3 +329,58 @@ def test_after_a_reset_nothing_is_planned_from_the_tiers_being_emptied(tmp_path:
         assert half.has_pending_work() is False
     finally:
         loop.shutdown()
+
+
+def test_pd_handshake_between_two_tp2_connectors() -> None:
+    """P (TP 2) finishes a `do_remote_decode` request: its answer names its peer port and
+    its 2 chunks, and the next step leases them on both ranks. D (TP 2), given the answer's
+    params, pulls every rank's shard from the same rank of P into blocks that held other KV,
+    and releases the lease on both. An instance with `pd: false` answers nothing."""
+    cpu = [{"kind": "cpu", "max_bytes": 1 << 20}]
+    p_port = free_port(2)
+    p = Loop(cpu, peer={"port": p_port})
+    d = Loop(cpu, peer={"port": free_port(2)})
+    quiet = Loop(cpu, world_size=1, peer={"port": free_port(2), "pd": False})
+    tokens = list(range(40, 61))  # 21 tokens: chunks 0 and 1 (16 tokens), 5 tokens left
+    try:
+        src = p.blocks(6)
+        p.step([("a", tokens, src)])
+        asked = {"do_remote_decode": True, "remote_host": None, "remote_port": None}
+        hold, params = p.sched.request_finished(Req("a", tokens, asked), src)
+        assert not hold and params is not None
+        assert (params["remote_host"], params["remote_port"], params["tp_size"]) == (
+            "127.0.0.1",
+            p_port,
+            2,
+        )
+        assert params["remote_num_tokens"] == 16 and len(params["remote_chunk_hashes"]) == 2
+        p.step()
+        for w in p.workers:
+            assert w.worker is not None and len(w.worker.leases) == 1
+
+        for caches in d.caches:  # D's blocks hold other KV than P's
+            for layer in caches.values():
+                layer.zero_()
+        req = Req("b", tokens, params)
+        wait_for(lambda: d.sched.get_num_new_matched_tokens(req, 0) != (None, False))
+        assert d.sched.get_num_new_matched_tokens(req, 0) == (16, True)
+        dst = d.blocks(6)
+        d.sched.update_state_after_alloc(req, dst, 16)
+        d.step()
+        assert d.finished_recving == {"b"} and d.invalid == set()
+        for p_caches, d_caches in zip(p.caches, d.caches, strict=True):
+            for name, layer in d_caches.items():
+                assert torch.equal(layer[:, dst[:4]], p_caches[name][:, src[:4]])
+        for w in [*p.workers, *d.workers]:
+            assert w.worker is not None and w.worker.drain()
+            assert len(w.worker.leases) == 0
+            w.worker.leases.check_integrity()
+            for tier in w.worker.tiers:
+                tier.check_integrity()
+
+        quiet.step([("q", tokens, quiet.blocks(6))])
+        _, none = quiet.sched.request_finished(Req("q", tokens, asked), [])
+        assert none is None
+    finally:
+        for loop in (p, d, quiet):
+            loop.shutdown()
