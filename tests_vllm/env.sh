@@ -53,6 +53,32 @@ if ! "$py" -c "$plugin"; then
   "$py" -m pip install -q --no-deps -e "$repo"
 fi
 
+# NIXL for vLLM's NixlConnector (tests_vllm/test_nixl.py): nixl-cu12 from PyPI (it runs UCX
+# over TCP without a GPU), --no-deps, in its own directory that only those servers put on
+# PYTHONPATH. vLLM imports the package `nixl`; the wheel's is `nixl_cu12`: a two-line alias.
+# A machine where it cannot be installed skips those tests, saying why.
+nixl=$dir/nixl
+if ! PYTHONPATH=$nixl "$py" -c 'import nixl._api, nixl._bindings' 2>/dev/null; then
+  rm -rf "$nixl"
+  if "$py" -m pip install -q --no-deps --target "$nixl" nixl-cu12==1.5.1; then
+    mkdir -p "$nixl/nixl"
+    cat > "$nixl/nixl/__init__.py" <<'PY'
+"""vLLM imports nixl._api and nixl._bindings; the nixl-cu12 wheel names them nixl_cu12."""
+import sys
+
+import nixl_cu12._api
+import nixl_cu12._bindings
+
+sys.modules[__name__ + "._api"] = nixl_cu12._api
+sys.modules[__name__ + "._bindings"] = nixl_cu12._bindings
+PY
+    PYTHONPATH=$nixl "$py" -c 'import nixl._api, nixl._bindings' \
+      || echo "# nixl-cu12 installed but does not import: the NixlConnector tests skip"
+  else
+    echo "# nixl-cu12 could not be installed: the NixlConnector tests skip"
+  fi
+fi
+
 model=$dir/smollm2-135m
 if ! [ -f "$model/model.safetensors" ]; then
   echo "# converting SmolLM2-135M-Instruct to $model (about 40 s)"
