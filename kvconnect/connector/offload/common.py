@@ -131,6 +131,9 @@ class PeerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     hmac_key_file: str = ""
     """A file holding a secret every peer shares (mode 0600, at least 16 bytes): served chunks
     are signed with it and pulled ones must be."""
+    curve_secret_key_file: str = ""
+    """A ZMQ certificate with its secret key (mode 0600) every peer shares: the peer sockets
+    then run CurveZMQ (encrypted; a peer without it is never answered)."""
     kv_lease_duration: Seconds = 30.0
     """P/D: how long a `do_remote_decode` request's chunks stay leased (not evicted from the
     cpu tier) for the decode instance that is to pull them, unless it releases them first

@@ -31,7 +31,7 @@ from kvconnect.connector.base import ConnectorRequest
 from kvconnect.connector.offload.common import PeerConfig
 from kvconnect.connector.offload.lookup import PrefixLookup
 from kvconnect.connector.offload.tiers.base import TierError, TierUnavailable
-from kvconnect.connector.offload.tiers.peer import PeerClient
+from kvconnect.connector.offload.tiers.peer import PeerClient, shared_curve
 
 logger = logging.getLogger(__name__)
 
@@ -109,6 +109,8 @@ class PeerHolder:
         config: PeerConfig,
         mac_key: bytes | None,
     ) -> None:
+        keys = shared_curve(config.curve_secret_key_file)
+        curve = keys[1] if keys else None
         self.clients = [
             PeerClient(
                 f"tcp://{host}:{port + r}",
@@ -117,6 +119,7 @@ class PeerHolder:
                 namespace,
                 mac_key=mac_key,
                 timeout_s=config.timeout_s,
+                curve=curve,
             )
             for r in range(world_size)
         ]
@@ -154,6 +157,7 @@ class PeerSources:
     ) -> None:
         self.config = config
         self.world_size, self.namespace, self.mac_key = world_size, namespace, mac_key
+        shared_curve(config.curve_secret_key_file)  # a wrong file fails at start, named
         self._lookups: OrderedDict[tuple[str, int], PrefixLookup] = OrderedDict()
         self._refused: set[str] = set()
         self._lock = threading.Lock()

@@ -69,7 +69,12 @@ from kvconnect.connector.offload.tiers.base import (
     read_mac_key,
 )
 from kvconnect.connector.offload.tiers.cpu import CpuTier
-from kvconnect.connector.offload.tiers.peer import REPLY_SLACK, PeerClient, PeerServer
+from kvconnect.connector.offload.tiers.peer import (
+    REPLY_SLACK,
+    PeerClient,
+    PeerServer,
+    shared_curve,
+)
 from kvconnect.events import BlockRemoved, BlockStored, KVCacheEvent
 
 logger = logging.getLogger(__name__)
@@ -172,6 +177,7 @@ class OffloadWorker:
         self._peer_clients: dict[tuple[str, int], PeerClient] = {}
         peer = config.peer
         self._peer_mac = read_mac_key(peer.hmac_key_file) if peer and peer.hmac_key_file else None
+        self._peer_curve = shared_curve(peer.curve_secret_key_file) if peer else None
         self._written_shared: set[str] = set()  # keys this rank put in shared tiers
         self._resets = 0
         self._busy = False
@@ -228,6 +234,7 @@ class OffloadWorker:
                 held=self._held_prefix,
                 read=self._serve_read,
                 release=self._release_lease,
+                curve=self._peer_curve[0] if self._peer_curve else None,
             )
 
     def _key(self, info: ChunkInfo) -> str:
@@ -565,6 +572,7 @@ class OffloadWorker:
                 mac_key=self._peer_mac,
                 timeout_s=peer.timeout_s,
                 max_reply_bytes=numel * self.placement.dtype.itemsize + REPLY_SLACK,
+                curve=self._peer_curve[1] if self._peer_curve else None,
             )
         return client
 

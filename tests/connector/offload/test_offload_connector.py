@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import zmq.auth
 
 from kvconnect.config import KVTransferConfig
 from kvconnect.connector import (
@@ -331,15 +332,19 @@ def test_after_a_reset_nothing_is_planned_from_the_tiers_being_emptied(tmp_path:
         loop.shutdown()
 
 
-def test_pd_handshake_between_two_tp2_connectors() -> None:
+def test_pd_handshake_between_two_tp2_connectors(tmp_path: Path) -> None:
     """P (TP 2) finishes a `do_remote_decode` request: its answer names its peer port and
     its 2 chunks, and the next step leases them on both ranks. D (TP 2), given the answer's
     params, pulls every rank's shard from the same rank of P into blocks that held other KV,
-    and releases the lease on both. An instance with `pd: false` answers nothing."""
+    and releases the lease on both; the peers speak CurveZMQ with the certificate both
+    configs name. An instance with `pd: false` answers nothing."""
     cpu = [{"kind": "cpu", "max_bytes": 1 << 20}]
+    zmq.auth.create_certificates(str(tmp_path), "peers")
+    (tmp_path / "peers.key_secret").chmod(0o600)
+    curve = {"curve_secret_key_file": str(tmp_path / "peers.key_secret")}
     p_port = free_port(2)
-    p = Loop(cpu, peer={"port": p_port})
-    d = Loop(cpu, peer={"port": free_port(2)})
+    p = Loop(cpu, peer={"port": p_port, **curve})
+    d = Loop(cpu, peer={"port": free_port(2), **curve})
     quiet = Loop(cpu, world_size=1, peer={"port": free_port(2), "pd": False})
     tokens = list(range(40, 61))  # 21 tokens: chunks 0 and 1 (16 tokens), 5 tokens left
     try:

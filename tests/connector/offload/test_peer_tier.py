@@ -6,11 +6,13 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import msgspec
 import pytest
 import torch
 import zmq
+import zmq.auth
 
 from kvconnect.connector.offload.common import ChunkInfo, chunk_key
 from kvconnect.connector.offload.tiers.base import (
@@ -20,7 +22,7 @@ from kvconnect.connector.offload.tiers.base import (
     TierUnavailable,
     pack,
 )
-from kvconnect.connector.offload.tiers.peer import MAX_KEYS, PeerClient, PeerServer
+from kvconnect.connector.offload.tiers.peer import MAX_KEYS, PeerClient, PeerServer, shared_curve
 
 NS = "tiny@0123456789abcdef"
 SHAPE = (2, 2, 32, 1, 4)
@@ -265,3 +267,49 @@ def test_a_server_closes_once_and_a_second_close_does_nothing() -> None:
         assert client().held_prefix([key(0)]) == 1
         server.close()
         server.close()  # returns at once: the worker's shutdown may come twice
+
+
+def certificate(tmp_path: Path, name: str) -> str:
+    zmq.auth.create_certificates(str(tmp_path), name)
+    path = tmp_path / f"{name}.key_secret"
+    path.chmod(0o600)
+    return str(path)
+
+
+def test_curve_peers_share_one_certificate_and_others_get_nothing(tmp_path: Path) -> None:
+    """With the deployment's certificate on both sides a pull works; a client without CURVE,
+    or with another certificate, completes no handshake: it learns nothing, and fails in its
+    timeout. A certificate others can read is refused, named."""
+    keys = shared_curve(certificate(tmp_path, "peers"))
+    assert keys is not None
+    other = shared_curve(certificate(tmp_path, "other"))
+    assert other is not None
+    server = PeerServer(
+        "tcp://127.0.0.1:0",
+        1,
+        0,
+        NS,
+        lambda k: len(k),
+        lambda k: list(pack(k, *CHUNKS[k])),
+        curve=keys[0],
+    )
+    clients = [
+        PeerClient(server.endpoint, 1, 0, NS, timeout_s=0.5, curve=curve)
+        for curve in (keys[1], None, other[1])
+    ]
+    try:
+        ok, plain, stranger = clients
+        ok.hello()
+        found = ok.fetch(key(1), info(1), PLACEMENT)
+        assert found is not None and torch.equal(found.data, CHUNKS[key(1)][1])
+        for c in (plain, stranger):
+            with pytest.raises(TierUnavailable, match="did not answer"):
+                c.held_prefix([key(0)])
+    finally:
+        for c in clients:
+            c.close()
+        server.close()
+    readable = tmp_path / "peers.key_secret"
+    readable.chmod(0o644)
+    with pytest.raises(ValueError, match=r"peers\.key_secret"):
+        shared_curve(str(readable))

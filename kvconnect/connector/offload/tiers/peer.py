@@ -18,6 +18,10 @@ checksums, its HMAC where a key is set), then `mismatch` against the chunk asked
 ids, block hashes, parent, block size, shape, dtype). A reply over the chunk's size is refused
 by ZMQ itself (MAXMSGSIZE); a silent peer costs `timeout_s`, after which the socket is
 replaced, so a late answer is never taken for the next one.
+
+With `curve_secret_key_file` in the peer config, every peer socket runs CurveZMQ with one
+certificate the deployment shares (`shared_curve`): a peer without it completes no
+handshake, so it neither reads chunks nor learns which prefixes are held.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ from kvconnect.connector.offload.tiers.base import (
     unpack,
     unpack_parts,
 )
+from kvconnect.stream.curve import CurveClientKeys, CurveServerKeys
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +82,16 @@ _hello = msgspec.msgpack.Decoder(_Hello)
 _encode = msgspec.msgpack.Encoder().encode
 
 
+def shared_curve(secret_key_file: str) -> tuple[CurveServerKeys, CurveClientKeys] | None:
+    """The CURVE keys of a deployment's one peer certificate (a ZMQ certificate with its
+    secret key, mode 0600; stream/curve.py makes one): every instance serves with it and
+    pulls with it. None without a file; ValueError naming the file if it is unfit."""
+    if not secret_key_file:
+        return None
+    server = CurveServerKeys.from_file(secret_key_file)
+    return server, CurveClientKeys(server.public, server.public, server.secret)
+
+
 class PeerServer:
     """One rank's server, on its own thread, bound at `endpoint` (loopback by default: the
     peer config's host). `close()` stops it."""
@@ -90,8 +105,10 @@ class PeerServer:
         held: Held,
         read: Read,
         release: Release | None = None,
+        curve: CurveServerKeys | None = None,
     ) -> None:
-        """`release(lease_id)`: end a lease (None: RELEASE always answers False)."""
+        """`release(lease_id)`: end a lease (None: RELEASE always answers False). `curve`:
+        serve CurveZMQ only (`shared_curve`)."""
         self.held, self.read = held, read
         self.release = release or (lambda _: False)
         self._prefix = f"{namespace.replace('{', '(').replace('}', ')')}/{world_size}/{rank}/"
@@ -101,6 +118,8 @@ class PeerServer:
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.RCVHWM, 256)
         self._sock.setsockopt(zmq.MAXMSGSIZE, 1 << 20)  # requests: keys, never chunks
+        if curve is not None:
+            curve.apply(self._sock)
         try:
             self._sock.bind(endpoint)
         except zmq.ZMQError as e:
@@ -216,8 +235,10 @@ class PeerClient:
         mac_key: bytes | None = None,
         timeout_s: float = 5.0,
         max_reply_bytes: int = 1 << 30,
+        curve: CurveClientKeys | None = None,
     ) -> None:
         self.endpoint = endpoint
+        self.curve = curve
         self.world_size, self.rank, self.namespace = world_size, rank, namespace
         self.mac_key = mac_key
         self.timeout_ms = max(1, int(timeout_s * 1000))
@@ -234,6 +255,8 @@ class PeerClient:
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.MAXMSGSIZE, self.max_reply_bytes)
             sock.setsockopt(zmq.IMMEDIATE, 1)  # queue nothing for a peer not connected
+            if self.curve is not None:
+                self.curve.apply(sock)
             sock.connect(self.endpoint)
             self._sock = sock
         return self._sock
