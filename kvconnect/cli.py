@@ -196,9 +196,30 @@ def _router_flags(commands: Commands, common: Parser) -> None:
     r.add_argument(
         "--instance",
         action="append",
-        required=True,
+        default=[],
         help="URL,EVENTS_ENDPOINT[,REPLAY_ENDPOINT]; repeat per instance. The URL is http:// "
         "(port 80 when it gives none); https:// is refused: TLS to instances is not supported yet",
+    )
+    r.add_argument(
+        "--decode-instance",
+        action="append",
+        dest="instance",
+        help="P/D: an instance that decodes (as --instance; the two are one list)",
+    )
+    r.add_argument(
+        "--prefill-instance",
+        action="append",
+        default=[],
+        help="P/D: an instance that only prefills (as --instance): requests then go to a "
+        "decode instance with a prefill's kv_transfer_params (NixlConnector's handshake, "
+        "which kvconnect and vLLM NixlConnector pairs speak)",
+    )
+    r.add_argument(
+        "--pd-min-tail",
+        type=positive_int,
+        default=256,
+        help="P/D: prefill elsewhere only when the decode instance lacks at least this many "
+        "prompt tokens (set by hand for now)",
     )
     r.add_argument("--host", default="127.0.0.1", help="bind address")
     r.add_argument("--port", type=port, default=9000, help="HTTP port")

@@ -45,7 +45,10 @@ def parse_tier_weights(text: str) -> dict[str, float]:
 def run_router_command(args: argparse.Namespace) -> int:
     if not args.access_log:
         logging.getLogger("kvconnect.access").setLevel(logging.WARNING)
+    if not args.instance:
+        raise ValueError("the router needs at least one --instance (or --decode-instance)")
     instances = [Instance.parse(spec) for spec in args.instance]
+    prefill = [Instance.parse(spec) for spec in args.prefill_instance]
     weights = parse_tier_weights(args.tier_weights)
     options = RouterOptions(
         api_key=api_key_from(args.api_key),
@@ -56,6 +59,7 @@ def run_router_command(args: argparse.Namespace) -> int:
             args.max_connections, args.header_timeout, args.body_timeout, args.write_timeout
         ),
         allow_unauthenticated=args.allow_unauthenticated,
+        pd_min_tail=args.pd_min_tail,
     )
     check_port_free(args.host, args.port, "--port")
     tokenizer = load_tokenizer(args.model)
@@ -67,7 +71,7 @@ def run_router_command(args: argparse.Namespace) -> int:
         tier_weights=weights,
     )
     curve = curve_from_env(os.environ)  # as `events tail`: both key files, or neither
-    router = Router(instances, index, tokenizer, args.load_weight, curve).start()
+    router = Router(instances, index, tokenizer, args.load_weight, curve, prefill).start()
     gc.freeze()  # what start-up made lives as long as the process: no collection walks it again
     return run_event_loop(serve_router(router, args.host, args.port, options))
 

@@ -119,9 +119,15 @@ class Router:
         tokenizer: Tokenizer,
         load_weight: float = DEFAULT_LOAD_WEIGHT,
         curve: CurveClientKeys | None = None,
+        prefill_instances: list[Instance] | None = None,
     ) -> None:
+        """`prefill_instances`: P/D (router/pd.py): these only prefill, for `instances`,
+        which decode. Every instance's events feed the index and every one is health
+        checked."""
         if not instances:
-            raise ValueError("the router needs at least one --instance")
+            raise ValueError("the router needs at least one --instance (or --decode-instance)")
+        self.prefill_names = {i.name for i in prefill_instances or []}
+        instances = [*instances, *(prefill_instances or [])]
         self.instances = instances
         self.index = index
         self.tokenizer = tokenizer
@@ -133,6 +139,8 @@ class Router:
         self.decisions: Counter[str] = Counter()
         self.hit_blocks: Counter[str] = Counter()
         self.failures: Counter[str] = Counter()
+        self.pd: Counter[str] = Counter()
+        """P/D outcomes: disaggregated, local, prefill_failed, no_prefill_instance."""
         self._by_name = {i.name: i for i in instances}
         if len(self._by_name) != len(instances):
             raise ValueError("each --instance must have its own URL")
@@ -184,10 +192,27 @@ class Router:
     def pick(
         self, token_ids: list[int], exclude: set[str], cache_salt: str | None = None
     ) -> tuple[Instance, PrefixScore] | None:
-        """The instance in rotation (and not in `exclude`) to send the request to."""
+        """The instance in rotation (and not in `exclude`) to send the request to (to decode
+        it, in P/D)."""
         names = [
-            i.name for i in self.instances if i.name not in exclude and self.health.is_up(i.name)
+            i.name
+            for i in self.instances
+            if i.name not in exclude
+            and i.name not in self.prefill_names
+            and self.health.is_up(i.name)
         ]
+        return self._choose(names, token_ids, cache_salt)
+
+    def pick_prefill(
+        self, token_ids: list[int], cache_salt: str | None = None
+    ) -> tuple[Instance, PrefixScore] | None:
+        """P/D: the prefill instance in rotation for the request, by prefix and load."""
+        names = [n for n in self.prefill_names if self.health.is_up(n)]
+        return self._choose(sorted(names), token_ids, cache_salt)
+
+    def _choose(
+        self, names: list[str], token_ids: list[int], cache_salt: str | None
+    ) -> tuple[Instance, PrefixScore] | None:
         if not names:
             return None
         with self.lock:  # one state for both

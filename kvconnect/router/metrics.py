@@ -88,6 +88,9 @@ class RouterMetrics(Collector):
              {n: float(r.health.is_up(n)) for n in names}),
             (C, "hit_blocks", "Cached prefix blocks of routed requests, by tier.", "tier",
              dict(r.hit_blocks)),
+            (C, "pd", "P/D requests by outcome (disaggregated, local: the decode instance "
+             "lacked less than --pd-min-tail, prefill_failed, no_prefill_instance).", "outcome",
+             dict(r.pd)),
             (C, "index_removed", "Index entries taken back by BlockRemoved events, by tier.",
              "tier", removed),
             (C, "index_stale", "Index entries found stale by a load miss (an instance computed "

@@ -69,6 +69,7 @@ from kvconnect.http.limits import ConnectionLimits
 from kvconnect.router.core import Router, stale_check
 from kvconnect.router.forward import forward
 from kvconnect.router.metrics import RouterMetrics
+from kvconnect.router.pd import prefilled
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +90,9 @@ class RouterOptions:
     limits: ConnectionLimits = field(default_factory=ConnectionLimits)
     allow_unauthenticated: bool = False
     """Present `instance_api_key` even to clients that no `api_key` checks (an open relay)."""
+    pd_min_tail: int = 256
+    """P/D: disaggregate only when the decode instance lacks at least this many of the
+    prompt's tokens (router/pd.py)."""
 
     def __post_init__(self) -> None:
         key = self.instance_api_key
@@ -146,6 +150,7 @@ class RouterServer:
         key = options.instance_api_key
         self._instance_auth = f"Bearer {key}" if key is not None else None
         self.pool = UpstreamPool(read_timeout=options.upstream_timeout)
+        self.pd_min_tail = options.pd_min_tail
         self._health: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
@@ -202,6 +207,7 @@ class RouterServer:
         authorization = self._authorization(http)
         tried: set[str] = set()
         failed = ""
+        body: bytes | None = None  # P/D: what the decode instance gets, once prefilled
         while True:
             picked = router.pick(token_ids, tried, req.cache_salt)
             if picked is None:
@@ -213,8 +219,29 @@ class RouterServer:
             in_flight[instance.name] += 1
             try:
                 check = stale_check(req, token_ids)
+                if body is None and router.prefill_names:
+                    body = await prefilled(
+                        router,
+                        self.pool,
+                        http.path,
+                        http.body,
+                        token_ids,
+                        score,
+                        self.pd_min_tail,
+                        authorization,
+                        req.cache_salt,
+                    )
+                if body is not None and body is not http.body:
+                    check = None  # D counts what it pulled (or P's hits, vLLM): not its index
                 response = await forward(
-                    http, self.pool, instance, http.body, router, score, check, authorization
+                    http,
+                    self.pool,
+                    instance,
+                    body or http.body,
+                    router,
+                    score,
+                    check,
+                    authorization,
                 )
             except BaseException as e:
                 in_flight[instance.name] -= 1

@@ -1,0 +1,144 @@
+"""Disaggregated prefill/decode through the router, in NixlConnector's handshake (vLLM's toy
+proxy and llm-d's sidecar drive it the same way), so it drives kvconnect pairs and vLLM
+NixlConnector pairs alike:
+
+    1. the decode instance D is chosen as any request's instance is (`Router.pick`)
+    2. when the prompt's tail that D lacks is at least `min_tail` tokens, a prefill
+       instance P is chosen among the `--prefill-instance`s (prefix and load, `choose`), and
+       gets the request with max_tokens 1, no stream and
+       `kv_transfer_params: {"do_remote_decode": true, ...}`
+    3. D gets the client's request with P's answer's `kv_transfer_params`; its answer
+       (streamed or not) is the client's
+
+A P that fails, times out, answers an error or no params costs only its time: D gets the
+client's request unchanged and computes the prompt (counted: `pd_prefill_failed`). What
+each step sent where is counted per outcome (`kvconnect_router_pd_total`).
+
+`min_tail` is set by hand for now (`--pd-min-tail`): below it D computes the tail itself.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import msgspec
+
+from kvconnect.http.client import Unreachable, UpstreamBroken, UpstreamPool, UpstreamTimeout
+from kvconnect.router.core import Instance, Router
+from kvconnect.router.index import PrefixScore
+
+logger = logging.getLogger(__name__)
+
+TO_PREFILL: dict[str, Any] = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+MAX_PREFILL_ANSWER = 1 << 20
+"""A prefill's answer is one token and its params: anything longer is not one."""
+
+
+class _PrefillAnswer(msgspec.Struct):
+    kv_transfer_params: dict[str, Any] | None = None
+
+
+_answer = msgspec.json.Decoder(_PrefillAnswer)
+_encode = msgspec.json.Encoder().encode
+
+
+def prefill_body(raw: bytes) -> bytes:
+    """The client's request as P gets it: one token, no stream, do_remote_decode."""
+    body = msgspec.json.decode(raw)
+    body.update(max_tokens=1, stream=False, kv_transfer_params=TO_PREFILL)
+    if "max_completion_tokens" in body:
+        body["max_completion_tokens"] = 1
+    for key in ("stream_options", "n", "best_of", "min_tokens"):
+        body.pop(key, None)
+    return _encode(body)
+
+
+def decode_body(raw: bytes, params: dict[str, Any]) -> bytes:
+    """The client's request as D gets it: with P's params."""
+    body = msgspec.json.decode(raw)
+    body["kv_transfer_params"] = params
+    return _encode(body)
+
+
+async def prefilled(
+    router: Router,
+    pool: UpstreamPool,
+    path: str,
+    raw: bytes,
+    token_ids: list[int],
+    decode_score: PrefixScore,
+    min_tail: int,
+    authorization: str | None,
+    cache_salt: str | None = None,
+) -> bytes:
+    """The body to send D: with a prefill's params when one ran, else the client's own."""
+    tail = len(token_ids) - decode_score.num_tokens
+    if tail < max(1, min_tail):
+        router.pd["local"] += 1
+        return raw
+    picked = router.pick_prefill(token_ids, cache_salt)
+    if picked is None:
+        router.pd["no_prefill_instance"] += 1
+        return raw
+    prefill, _ = picked
+    params = await _run_prefill(router, pool, prefill, path, raw, authorization)
+    if params is None:
+        router.pd["prefill_failed"] += 1
+        return raw
+    router.pd["disaggregated"] += 1
+    return decode_body(raw, params)
+
+
+async def _run_prefill(
+    router: Router,
+    pool: UpstreamPool,
+    prefill: Instance,
+    path: str,
+    raw: bytes,
+    authorization: str | None,
+) -> dict[str, Any] | None:
+    name = prefill.name
+    router.in_flight[name] += 1
+    router.decisions[name] += 1
+    try:
+        upstream = await pool.post(
+            prefill.url, path, prefill_body(raw), authorization=authorization
+        )
+        try:
+            if upstream.status != 200:
+                logger.warning(
+                    "router: prefill %s answered %d; decode computes", name, upstream.status
+                )
+                return None
+            if upstream.content_length is None or upstream.content_length > MAX_PREFILL_ANSWER:
+                logger.warning("router: prefill %s sent no bounded answer; decode computes", name)
+                return None
+            body = await upstream.read()
+        finally:
+            upstream.release()
+    except UpstreamTimeout as e:
+        router.mark_down(name, f"prefill stalled: {e}")
+        return None
+    except (Unreachable, UpstreamBroken) as e:
+        logger.warning("router: prefill %s failed (%s); decode computes", name, e)
+        router.mark_down(name, f"prefill failed: {e}")
+        return None
+    finally:
+        router.in_flight[name] -= 1
+    try:
+        params = _answer.decode(body).kv_transfer_params
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        logger.warning("router: prefill %s answered no JSON params (%s); decode computes", name, e)
+        return None
+    if not params or not params.get("do_remote_prefill"):
+        logger.warning("router: prefill %s gave no kv_transfer_params; decode computes", name)
+        return None
+    return params

@@ -1,0 +1,133 @@
+"""P/D through the router (`--prefill-instance`, `--decode-instance`): two `kvconnect serve`
+processes with peer configs behind a `kvconnect router` process. The router drives
+NixlConnector's handshake (router/pd.py): P prefills with max_tokens 1 and answers its
+kv_transfer_params, D gets the client's request with them, pulls P's chunks and answers.
+
+    a 150-token prompt                 prefilled on P, D pulls 4 chunks (cached_tokens 128),
+                                       the same answer as P's monolithic one, streamed too
+    a prompt D lacks less of than the --pd-min-tail    D computes it alone ("local")
+    P stopped                          D computes; the client still gets its answer
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import urllib.request
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from tests.helpers import free_port
+from tests.serving import RouterProcess, Serve, get, post
+
+pytestmark = pytest.mark.slow
+
+
+def config(peer_port: int) -> str:
+    return json.dumps(
+        {
+            "kv_connector": "OffloadConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {
+                "chunk_size": 32,
+                "tiers": [{"kind": "cpu", "max_bytes": 1 << 26}],
+                "peer": {"port": peer_port, "timeout_s": 2.0},
+            },
+        }
+    )
+
+
+@pytest.fixture(scope="module")
+def pd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Serve, Serve, RouterProcess]]:
+    tmp = tmp_path_factory.mktemp("pd")
+    details = "--enable-prompt-tokens-details"
+    p = Serve(tmp, "--kv-transfer-config", config(free_port()), details)
+    d = Serve(tmp, "--kv-transfer-config", config(free_port()), details)
+    p.start()
+    d.start()
+    router = RouterProcess(tmp, [d], "--prefill-instance", p.instance, "--pd-min-tail", "64")
+    try:
+        router.start()
+        yield p, d, router
+    finally:
+        router.stop()
+        for s in (p, d):
+            if s.proc is not None:
+                assert s.stop() == 0, s.logs()
+
+
+def prompt(seed: int, n: int = 150) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(256) for _ in range(n)]
+
+
+def complete(url: str, tokens: list[int], **extra: Any) -> tuple[str, int, str]:
+    status, body, headers = post(
+        url + "/v1/completions",
+        {"model": "tiny", "prompt": tokens, "max_tokens": 8, "temperature": 0, **extra},
+    )
+    assert status == 200, body
+    cached = body["usage"]["prompt_tokens_details"]["cached_tokens"]
+    return body["choices"][0]["text"], cached, headers.get("x-kvconnect-instance", "")
+
+
+def pd_outcomes(router: RouterProcess) -> dict[str, float]:
+    status, text = get(router.url + "/metrics")
+    assert status == 200, text
+    found = re.findall(r'^kvconnect_router_pd_total\{outcome="(\w+)"\} (\S+)$', text, re.M)
+    return {k: float(v) for k, v in found}
+
+
+def streamed_text(url: str, tokens: list[int]) -> str:
+    body = json.dumps(
+        {"model": "tiny", "prompt": tokens, "max_tokens": 8, "temperature": 0, "stream": True}
+    ).encode()
+    req = urllib.request.Request(
+        url + "/v1/completions", data=body, headers={"Content-Type": "application/json"}
+    )
+    text = ""
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        for line in resp:
+            if line.startswith(b"data: {"):
+                text += json.loads(line[6:])["choices"][0]["text"]
+    return text
+
+
+def test_a_request_is_prefilled_on_p_and_decoded_on_d(
+    pd: tuple[Serve, Serve, RouterProcess],
+) -> None:
+    p, d, router = pd
+    tokens = prompt(1)
+    text, cached, instance = complete(router.url, tokens)
+    assert instance == d.url
+    assert cached == 128  # D pulled P's 4 chunks of 32
+    assert text == complete(p.url, tokens)[0]  # P's monolithic answer
+    assert pd_outcomes(router)["disaggregated"] == 1
+    tokens = prompt(2)
+    assert streamed_text(router.url, tokens) == complete(p.url, tokens)[0]
+    assert pd_outcomes(router)["disaggregated"] == 2
+
+
+def test_a_short_tail_is_computed_on_d_alone(pd: tuple[Serve, Serve, RouterProcess]) -> None:
+    p, d, router = pd
+    before = pd_outcomes(router).get("local", 0)
+    tokens = prompt(3, n=40)  # D lacks 40 tokens, under --pd-min-tail 64
+    text, cached, instance = complete(router.url, tokens)
+    assert (cached, instance) == (0, d.url)
+    assert pd_outcomes(router)["local"] == before + 1
+    assert text == complete(p.url, tokens)[0]
+
+
+def test_a_failed_prefill_leaves_d_to_compute(pd: tuple[Serve, Serve, RouterProcess]) -> None:
+    """Runs last: it stops P."""
+    p, _, router = pd
+    tokens = prompt(4)
+    expected = complete(p.url, tokens)[0]
+    assert p.stop() == 0, p.logs()
+    text, cached, _ = complete(router.url, tokens)
+    assert (text, cached) == (expected, 0)
+    outcomes = pd_outcomes(router)
+    assert outcomes.get("prefill_failed", 0) + outcomes.get("no_prefill_instance", 0) >= 1
