@@ -32,9 +32,9 @@ def report(result: dict[str, Any]) -> None:
     print(MARK, json.dumps(result), flush=True)
 
 
-def run(script: str, timeout: float) -> dict[str, Any] | str:
-    """Run `script` on the vLLM side (vLLM's CPU settings of the recipe): its result, or a
-    one-line reason it failed."""
+def run(script: str, timeout: float, args: list[str] | None = None) -> dict[str, Any] | str:
+    """Run `script` on the vLLM side (vLLM's CPU settings of the recipe), with `args`: its
+    result, or a one-line reason it failed."""
     env = {
         **os.environ,
         "VLLM_CPU_KVCACHE_SPACE": "2",
@@ -42,7 +42,7 @@ def run(script: str, timeout: float) -> dict[str, Any] | str:
         "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
     }
     done = subprocess.run(
-        [str(VLLM_PYTHON), script, FLAG],
+        [str(VLLM_PYTHON), script, FLAG, *(args or [])],
         env=env,
         capture_output=True,
         text=True,
