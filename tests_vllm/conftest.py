@@ -17,7 +17,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -200,8 +200,11 @@ class RouterProcess:
 
 
 @contextmanager
-def start_router(servers: list[VllmServer]) -> Iterator[RouterProcess]:
-    """`kvconnect router` in front of `servers`, at its defaults, until the block ends."""
+def start_router(
+    servers: list[VllmServer], prefill: Sequence[VllmServer] = ()
+) -> Iterator[RouterProcess]:
+    """`kvconnect router` in front of `servers`, at its defaults, until the block ends; with
+    `prefill`, in P/D mode (`servers` decode, `prefill` prefill)."""
     port = free_port()
     log = Path(tempfile.mkdtemp(prefix="kvc-router-")) / "router.log"
     cmd = [
@@ -214,6 +217,8 @@ def start_router(servers: list[VllmServer]) -> Iterator[RouterProcess]:
     ]
     for s in servers:
         cmd += ["--instance", f"{s.url},{s.events},{s.replay}"]
+    for s in prefill:
+        cmd += ["--prefill-instance", f"{s.url},{s.events},{s.replay}"]
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:

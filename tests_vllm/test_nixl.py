@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 
-from tests_vllm.conftest import VllmServer, free_port, post_json
+from tests_vllm.conftest import VllmServer, free_port, post_json, start_router
 from tests_vllm.test_offload import Events
 from tests_vllm.test_serve import wait_until
 
@@ -165,3 +165,26 @@ def test_nixl_pd_beside_kvconnect_in_a_multiconnector(
     finally:
         p_events.close()
         d_events.close()
+
+
+@pytest.mark.timeout(900)
+def test_kvconnects_router_drives_the_nixl_pair(
+    nixl_pair: tuple[VllmServer, VllmServer],
+) -> None:
+    """`kvconnect router --prefill-instance P --decode-instance D` in front of the same pair:
+    the router's handshake is the toy proxy's, so NIXL moves the blocks and D answers the
+    monolithic answer, through the router."""
+    p, d = nixl_pair
+    rng = random.Random(6)
+    tokens = [rng.randrange(100, 49000) for _ in range(600)]
+    before = external_hits(d)
+    with start_router([d], prefill=[p]) as router:
+        body = {"model": "smollm2", "prompt": tokens, "max_tokens": 8, "temperature": 0}
+        answer, headers = post_json(
+            router.url + "/v1/completions",
+            {**body, "ignore_eos": True, "return_token_ids": True},
+            timeout=300,
+        )
+        assert headers["x-kvconnect-instance"] == d.url
+    assert external_hits(d) - before >= 9 * BLOCK, d.log.read_text()[-3000:]
+    assert list(answer["choices"][0]["token_ids"]) == complete(p, tokens)
