@@ -22,6 +22,7 @@ from kvconnect.connector.offload.common import (
 )
 from kvconnect.connector.offload.scheduler import OffloadScheduler
 from kvconnect.connector.offload.worker import OffloadWorker
+from kvconnect.engine.request import RequestStatus
 from kvconnect.events import (
     MEDIUMS,
     TIER_CPU,
@@ -39,7 +40,7 @@ from kvconnect.messages import (
     SchedulerOutput,
 )
 from tests.connector.helpers import roundtrip
-from tests.helpers import wait_for
+from tests.helpers import free_port, wait_for
 
 
 def test_no_module_outside_kvconnect_vllm_imports_vllm() -> None:
@@ -108,10 +109,12 @@ def new_requests(*requests: tuple[str, list[int]]) -> SchedulerOutput:
 class Req:
     """What the scheduler half reads of a waiting request."""
 
-    def __init__(self, rid: str, tokens: list[int]) -> None:
+    def __init__(self, rid: str, tokens: list[int], params: dict[str, Any] | None = None) -> None:
         self.request_id, self.all_token_ids = rid, tokens
         self.block_hashes = block_hashes(tokens, BS)
         self.cache_salt = None
+        self.kv_transfer_params = params
+        self.status = RequestStatus.FINISHED_LENGTH
 
 
 class Halves:
@@ -119,9 +122,12 @@ class Halves:
     rank), driven in the engine's step order; every metadata crosses by pickle, as vLLM
     sends it to and from its worker processes."""
 
-    def __init__(self, tiers: list[dict[str, Any]]) -> None:
+    def __init__(self, tiers: list[dict[str, Any]], peer: dict[str, Any] | None = None) -> None:
         context = KVConnectorContext(KVTransferConfig(), block_size=BS, model_name="m")
-        config = OffloadConfig.from_extra_config({"chunk_size": CHUNK, "tiers": tiers}, BS)
+        extra: dict[str, Any] = {"chunk_size": CHUNK, "tiers": tiers}
+        if peer is not None:
+            extra["peer"] = peer
+        config = OffloadConfig.from_extra_config(extra, BS)
         self.scheduler = OffloadScheduler(context, config, EngineMetadata)
         self.worker = OffloadWorker(context, config, EngineWorkerMetadata)
         self.worker.register_kv_caches({"layer0": torch.randn(2, 16, BS, 2, 4)})
@@ -170,7 +176,8 @@ def test_every_field_of_the_step_metadata_reaches_the_worker_in_the_engines_type
         [
             {"kind": "cpu", "max_bytes": 1 << 20},
             {"kind": "redis", "url": fresh_redis.url, "ttl_s": 0.2},
-        ]
+        ],
+        peer={"port": free_port()},
     )
     try:
         halves.step(new_requests(("a", a)))
@@ -181,9 +188,10 @@ def test_every_field_of_the_step_metadata_reaches_the_worker_in_the_engines_type
         )
         halves.step_until_redis_drops_one()
         # One step with all of it: a load (b finds a's chunk in the cpu tier), a save (c's
-        # chunk), a reset, and the chunk Redis dropped.
+        # chunk), a reset, the chunk Redis dropped, and a lease (a finished as a P/D prefill).
         b = Req("b", a)
         sched = halves.scheduler
+        assert sched.request_finished(Req("a", a, {"do_remote_decode": True})) is not None
         assert sched.get_num_new_matched_tokens(b, 0) == (CHUNK, True)
         sched.update_state_after_alloc(b, [7, 8, 9], CHUNK)
         assert sched.reset_cache()
@@ -191,6 +199,9 @@ def test_every_field_of_the_step_metadata_reaches_the_worker_in_the_engines_type
         assert type(meta) is EngineMetadata
         assert meta.shared_gone == [block_hashes(a, BS)[1]]
         assert meta.reset is True
+        assert [(x.lease_id, x.last_block_hashes) for x in meta.leases] == [
+            ("a", [block_hashes(a, BS)[1]])
+        ]
         assert [(s.request_id, s.block_ids, s.first_block) for s in meta.loads] == [
             ("b", [[7, 8]], [0])
         ]
