@@ -83,23 +83,19 @@ def bare_tcp(num_bytes: int) -> float:
 
 def measure(lengths: list[int]) -> dict[str, Any]:
     sys.path.insert(0, str(vllm_side.ROOT))
-    from tests_vllm.conftest import VllmServer, free_port
+    from tests_vllm.conftest import VllmServer, free_port, kvconnect_plugin
 
     def config(peer_port: int) -> str:
         tier_bytes = (max(lengths) // CHUNK + 2) * CHUNK * TOKEN_BYTES * 2
         return json.dumps(
-            {
-                "kv_connector": "OffloadConnector",
-                "kv_connector_module_path": "kvconnect.vllm",
-                "kv_role": "kv_both",
-                "kv_load_failure_policy": "recompute",
-                "kv_connector_extra_config": {
+            kvconnect_plugin(
+                {
                     "chunk_size": CHUNK,
                     "max_pending_stores": 256,
                     "tiers": [{"kind": "cpu", "max_bytes": tier_bytes}],
                     "peer": {"port": peer_port, "timeout_s": 30},
-                },
-            }
+                }
+            )
         )
 
     a_port = free_port()

@@ -63,6 +63,31 @@ def wait_http(url: str, proc: subprocess.Popen[bytes], timeout: float, log: Path
     pytest.fail(f"{url}: not up within {timeout:.0f}s\n{log.read_text()[-4000:]}")
 
 
+def kvconnect_plugin(extra_config: dict[str, Any]) -> dict[str, Any]:
+    """kvconnect's OffloadConnector (the plugin) as vLLM's `--kv-transfer-config` names it."""
+    return {
+        "kv_connector": "OffloadConnector",
+        "kv_connector_module_path": "kvconnect.vllm",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": extra_config,
+    }
+
+
+@contextmanager
+def running(servers: list[VllmServer]) -> Iterator[list[VllmServer]]:
+    """`servers` started together, each ready, stopped when the block ends."""
+    try:
+        for s in servers:
+            s.start()
+        for s in servers:
+            s.wait()
+        yield servers
+    finally:
+        for s in servers:
+            s.stop()
+
+
 def stop(proc: subprocess.Popen[bytes] | None) -> None:
     if proc is None or proc.poll() is not None:
         return
@@ -175,16 +200,8 @@ class VllmServer:
 def vllm_servers(model_dir: Path) -> Iterator[list[VllmServer]]:
     """Two vLLM servers at different block sizes (vLLM on CPU needs multiples of 32), one
     core each, started together."""
-    servers = [VllmServer(model_dir, 32, cpu=0), VllmServer(model_dir, 64, cpu=1)]
-    try:
-        for s in servers:
-            s.start()
-        for s in servers:
-            s.wait()
+    with running([VllmServer(model_dir, 32, cpu=0), VllmServer(model_dir, 64, cpu=1)]) as servers:
         yield servers
-    finally:
-        for s in servers:
-            s.stop()
 
 
 @dataclass

@@ -26,7 +26,15 @@ from typing import Any
 
 import pytest
 
-from tests_vllm.conftest import VllmServer, free_port, post_json, start_router
+from kvconnect.router.pd import TO_PREFILL
+from tests_vllm.conftest import (
+    VllmServer,
+    free_port,
+    kvconnect_plugin,
+    post_json,
+    running,
+    start_router,
+)
 from tests_vllm.test_offload import Events
 from tests_vllm.test_serve import wait_until
 
@@ -57,16 +65,12 @@ def multi_config() -> dict[str, Any]:
         "kv_connector_extra_config": {
             "connectors": [
                 {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"},
-                {
-                    "kv_connector": "OffloadConnector",
-                    "kv_connector_module_path": "kvconnect.vllm",
-                    "kv_role": "kv_both",
-                    "kv_load_failure_policy": "recompute",
-                    "kv_connector_extra_config": {
+                kvconnect_plugin(
+                    {
                         "chunk_size": CHUNK,
                         "tiers": [{"kind": "cpu", "max_bytes": 16 * CHUNK_BYTES}],
-                    },
-                },
+                    }
+                ),
             ]
         },
     }
@@ -94,25 +98,8 @@ def nixl_pair(model_dir: Path) -> Iterator[tuple[VllmServer, VllmServer]]:
         )
         for cpu in (0, 1)
     ]
-    try:
-        for s in made:
-            s.start()
-        for s in made:
-            s.wait()
+    with running(made):
         yield made[0], made[1]
-    finally:
-        for s in made:
-            s.stop()
-
-
-TO_PREFILL = {  # what vLLM's toy proxy sends to P
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-}
 
 
 def external_hits(server: VllmServer) -> float:

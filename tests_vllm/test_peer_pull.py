@@ -16,7 +16,8 @@ from typing import Any
 
 import pytest
 
-from tests_vllm.conftest import VllmServer, free_port, post_json
+from kvconnect.router.pd import TO_PREFILL
+from tests_vllm.conftest import VllmServer, free_port, kvconnect_plugin, post_json, running
 from tests_vllm.test_offload import Events, external_hits
 from tests_vllm.test_serve import wait_until
 
@@ -25,17 +26,13 @@ CHUNK_BYTES = 30 * 2 * CHUNK * 3 * 64 * 4
 
 
 def config(peer_port: int) -> dict[str, Any]:
-    return {
-        "kv_connector": "OffloadConnector",
-        "kv_connector_module_path": "kvconnect.vllm",
-        "kv_role": "kv_both",
-        "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {
+    return kvconnect_plugin(
+        {
             "chunk_size": CHUNK,
             "tiers": [{"kind": "cpu", "max_bytes": 16 * CHUNK_BYTES}],
             "peer": {"port": peer_port},
-        },
-    }
+        }
+    )
 
 
 @pytest.fixture(scope="module")
@@ -47,15 +44,8 @@ def pair(model_dir: Path) -> Iterator[tuple[VllmServer, VllmServer, int]]:
         )
         for cpu, p in ((0, a_port), (1, free_port()))
     ]
-    try:
-        for s in made:
-            s.start()
-        for s in made:
-            s.wait()
+    with running(made):
         yield made[0], made[1], a_port
-    finally:
-        for s in made:
-            s.stop()
 
 
 def complete(server: VllmServer, tokens: list[int], **extra: Any) -> tuple[list[int], int]:
@@ -115,16 +105,6 @@ def test_a_host_not_in_the_sources_is_never_asked(
     assert complete(b, tokens, **source(a_port, host="localhost")) == (answer, 0)
     assert external_hits(b) == before
     assert "not in the peer config's sources" in b.log.read_text()
-
-
-TO_PREFILL = {  # what vLLM's toy proxy (and llm-d's sidecar) send to P
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-}
 
 
 def test_pd_between_two_vllm_servers_in_nixl_connectors_handshake(

@@ -33,6 +33,7 @@ import zmq
 from kvconnect.connector.offload.common import ChunkInfo
 from kvconnect.connector.offload.tiers.base import pack
 from kvconnect.events import BlockStored
+from kvconnect.router.pd import TO_PREFILL
 from kvconnect.stream.subscriber import KVEventSubscriber, ReceivedBatch
 from tests.helpers import free_port, wait_for
 from tests.serving import Serve, get, post
@@ -217,16 +218,6 @@ def test_a_source_that_serves_another_prompts_chunks_is_refused(
     assert len(served) == 4
     assert metric(b, "kvconnect_connector_num_peer_integrity_misses_total") == refused + 4
     assert "its token ids differ" in b.logs()
-
-
-TO_PREFILL = {  # what vLLM's toy proxy (and llm-d's sidecar) send to P
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-}
 
 
 def prefill(server: Serve, tokens: list[int]) -> dict[str, Any]:
