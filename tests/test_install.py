@@ -17,7 +17,9 @@ import pytest
 
 from tests.serving import Serve, post
 
-pytestmark = [pytest.mark.slow, pytest.mark.alone, pytest.mark.timeout(600)]
+# heavy: it runs in `make test-vllm` (part of CI), where it does not hold `make test`'s
+# other workers idle for its 15 s.
+pytestmark = [pytest.mark.slow, pytest.mark.alone, pytest.mark.heavy, pytest.mark.timeout(600)]
 
 ROOT = Path(__file__).resolve().parent.parent
 UV = Path(sys.executable).with_name("uv")
