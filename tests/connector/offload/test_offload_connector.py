@@ -389,3 +389,34 @@ def test_pd_handshake_between_two_tp2_connectors(tmp_path: Path) -> None:
     finally:
         for loop in (p, d, quiet):
             loop.shutdown()
+
+
+def test_a_source_rank_that_dies_before_the_pull_makes_its_blocks_recompute() -> None:
+    """P's rank 1 stops serving after D's lookup counted P's chunks: D's rank 0 pulls its
+    shard, rank 1's pull fails in its timeout, and the load reports the chunks' blocks as
+    errors (vLLM and kvconnect's engine recompute them). Nothing leaks on either side."""
+    cpu = [{"kind": "cpu", "max_bytes": 1 << 20}]
+    p = Loop(cpu, peer={"port": free_port(2)})
+    d = Loop(cpu, peer={"port": free_port(2), "timeout_s": 0.5})
+    tokens = list(range(40, 61))
+    try:
+        p.step([("a", tokens, p.blocks(6))])
+        p.step()
+        source = {"host": "127.0.0.1", "port": p.sched.config.peer.port}  # type: ignore[union-attr]
+        req = Req("b", tokens, {"remote_kv_source": source})
+        wait_for(lambda: d.sched.get_num_new_matched_tokens(req, 0) != (None, False))
+        assert d.sched.get_num_new_matched_tokens(req, 0) == (16, True)
+        dying = p.workers[1].worker
+        assert dying is not None and dying.peer_server is not None
+        dying.peer_server.close()
+        dst = d.blocks(6)
+        d.sched.update_state_after_alloc(req, dst, 16)
+        d.step()
+        assert d.finished_recving == {"b"} and d.invalid == set(dst[:4])
+        for w in d.workers:
+            assert w.worker is not None and w.worker.drain()
+            for tier in w.worker.tiers:
+                tier.check_integrity()
+    finally:
+        p.shutdown()
+        d.shutdown()

@@ -17,6 +17,7 @@ import zmq.auth
 from kvconnect.connector.offload.common import ChunkInfo, chunk_key
 from kvconnect.connector.offload.tiers.base import (
     IntegrityError,
+    StoredChunk,
     TierError,
     TierPlacement,
     TierUnavailable,
@@ -313,3 +314,27 @@ def test_curve_peers_share_one_certificate_and_others_get_nothing(tmp_path: Path
     readable.chmod(0o644)
     with pytest.raises(ValueError, match=r"peers\.key_secret"):
         shared_curve(str(readable))
+
+
+def test_a_source_that_dies_mid_pull_fails_the_rest_of_it_in_its_timeout() -> None:
+    """The source serves chunk 0, then never answers again: the pull yields chunk 0 checked,
+    then the timeout for every chunk left (recomputed by the worker), and the server,
+    released, closes."""
+    hang = threading.Event()
+
+    def read(k: str) -> list[object] | None:
+        if k != key(0):
+            hang.wait(30)  # stuck until the test ends
+        return list(pack(k, *CHUNKS[k]))
+
+    server = PeerServer("tcp://127.0.0.1:0", 1, 0, NS, lambda ks: len(ks), read)
+    client = PeerClient(server.endpoint, 1, 0, NS, timeout_s=0.5)
+    try:
+        got = list(client.fetch_many([(key(i), info(i)) for i in range(3)], PLACEMENT))
+        assert isinstance(got[0], StoredChunk) and torch.equal(got[0].data, CHUNKS[key(0)][1])
+        assert all(isinstance(g, TierUnavailable) for g in got[1:]), got
+        assert "did not answer in 0.5 s" in str(got[1])
+    finally:
+        hang.set()
+        client.close()
+        server.close()
