@@ -108,20 +108,21 @@ def stored_on(server: Serve, chunks: float) -> None:
     )
 
 
-def cpu_chunks(sub: KVEventSubscriber, want: int) -> list[Any]:
+def cpu_chunks(sub: KVEventSubscriber, want: int, gpu: set[Any] | None = None) -> list[Any]:
     """The last block hashes of the chunks `sub`'s instance announces in its cpu tier, read
-    until there are `want`."""
+    until there are `want`; the block hashes it announces in its engine cache (GPU) meanwhile
+    go into `gpu`."""
     seen: list[Any] = []
     deadline = time.monotonic() + 30
     while len(seen) < want:
         assert time.monotonic() < deadline, f"only {seen} announced"
         item = sub.recv(timeout=0.5)
         if isinstance(item, ReceivedBatch):
-            seen += [
-                e.block_hashes[-1]
-                for e in item.batch.events
-                if isinstance(e, BlockStored) and e.medium == "CPU"
-            ]
+            for e in item.batch.events:
+                if isinstance(e, BlockStored) and e.medium == "CPU":
+                    seen.append(e.block_hashes[-1])
+                elif isinstance(e, BlockStored) and gpu is not None:
+                    gpu.update(e.block_hashes)
     return seen
 
 
@@ -140,7 +141,21 @@ def test_a_request_naming_a_peer_pulls_the_prefix_it_holds(
         a_chunks = cpu_chunks(a_sub, 4)
         pulled, cached = complete(b, tokens, **source(a_port))
         assert (pulled, cached) == (text, 4 * CHUNK)
-        assert cpu_chunks(b_sub, 4) == a_chunks
+        b_gpu: set[Any] = set()
+        assert cpu_chunks(b_sub, 4, b_gpu) == a_chunks
+        # B's engine cache holds the pulled blocks too, and says so (GPU, vLLM's medium for
+        # the engine's cache): every chunk's blocks
+        deadline = time.monotonic() + 30
+        while not set(a_chunks) <= b_gpu:
+            assert time.monotonic() < deadline, f"B announced {b_gpu} in its cache"
+            item = b_sub.recv(timeout=0.5)
+            if isinstance(item, ReceivedBatch):
+                b_gpu.update(
+                    h
+                    for e in item.batch.events
+                    if isinstance(e, BlockStored)
+                    for h in e.block_hashes
+                )
     finally:
         a_sub.close()
         b_sub.close()
