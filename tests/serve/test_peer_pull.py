@@ -153,7 +153,7 @@ def test_a_request_naming_a_peer_pulls_the_prefix_it_holds(
                 b_gpu.update(
                     h
                     for e in item.batch.events
-                    if isinstance(e, BlockStored)
+                    if isinstance(e, BlockStored) and e.medium == "GPU"
                     for h in e.block_hashes
                 )
     finally:
