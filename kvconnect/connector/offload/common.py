@@ -242,8 +242,13 @@ def chunk_key(namespace: str, world_size: int, rank: int, last_block_hash: bytes
     """`namespace/world/rank/{hex}` (`namespace` from `key_namespace`). The braces are a Redis
     Cluster hash tag: every rank's key of one chunk lands in one hash slot, so one EXISTS
     checks them all (braces in the model name would move the tag, so they are replaced)."""
+    return f"{rank_prefix(namespace, world_size, rank)}{{{last_block_hash.hex()}}}"
+
+
+def rank_prefix(namespace: str, world_size: int, rank: int) -> str:
+    """What every `chunk_key` of one rank starts with."""
     name = namespace.replace("{", "(").replace("}", ")")
-    return f"{name}/{world_size}/{rank}/{{{last_block_hash.hex()}}}"
+    return f"{name}/{world_size}/{rank}/"
 
 
 @dataclass(frozen=True)

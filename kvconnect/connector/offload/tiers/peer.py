@@ -37,7 +37,7 @@ from typing import Any
 import msgspec
 import zmq
 
-from kvconnect.connector.offload.common import ChunkInfo
+from kvconnect.connector.offload.common import ChunkInfo, rank_prefix
 from kvconnect.connector.offload.tiers.base import (
     IntegrityError,
     StoredChunk,
@@ -111,7 +111,7 @@ class PeerServer:
         serve CurveZMQ only (`shared_curve`)."""
         self.held, self.read = held, read
         self.release = release or (lambda _: False)
-        self._prefix = f"{namespace.replace('{', '(').replace('}', ')')}/{world_size}/{rank}/"
+        self._prefix = rank_prefix(namespace, world_size, rank)
         self._hello = _encode(_Hello(world_size, rank, namespace))
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.ROUTER)
