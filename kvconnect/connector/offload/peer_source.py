@@ -21,7 +21,6 @@ source of another TP size is refused with a line naming both.
 from __future__ import annotations
 
 import logging
-import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -63,38 +62,47 @@ def named_source(params: dict[str, Any] | None, pd: bool = True) -> Named | None
     if not params:
         return None
     if params.get("do_remote_prefill"):
-        if not pd or "remote_chunk_hashes" not in params:
+        if not pd or params.get("remote_chunk_hashes") is None:
             return None
-        host, port = params.get("remote_host"), params.get("remote_port")
-        what = "kv_transfer_params.remote_host/remote_port"
-    elif params.get("remote_kv_source") is not None:
-        source = params["remote_kv_source"]
-        host = source.get("host") if isinstance(source, dict) else None
-        port = source.get("port") if isinstance(source, dict) else None
-        what = f"kv_transfer_params.remote_kv_source {source!r}"
-    else:
+        addr = _addr(
+            params.get("remote_host"),
+            params.get("remote_port"),
+            "kv_transfer_params.remote_host/remote_port",
+        )
+        return Named(addr, _lease_id(params), _chunk_hashes(params["remote_chunk_hashes"]))
+    source = params.get("remote_kv_source")
+    if source is None:
         return None
+    what = f"kv_transfer_params.remote_kv_source {source!r}"
+    if not isinstance(source, dict):
+        raise ValueError(f"{what}: needs a host and a port")
+    return Named(_addr(source.get("host"), source.get("port"), what))
+
+
+def _addr(host: Any, port: Any, what: str) -> tuple[str, int]:
     if not isinstance(host, str) or not host or not isinstance(port, int) or not 0 < port < 65536:
         raise ValueError(f"{what}: needs a host and a port")
-    if not params.get("do_remote_prefill"):
-        return Named((host, port))
+    return host, port
+
+
+def _lease_id(params: dict[str, Any]) -> str | None:
     lease = params.get("remote_request_id")
     if lease is not None and (
         not isinstance(lease, str) or not 0 < len(lease) <= MAX_LEASE_ID or not lease.isascii()
     ):
         raise ValueError(f"kv_transfer_params.remote_request_id: 1-{MAX_LEASE_ID} ASCII characters")
-    hashes = params.get("remote_chunk_hashes")
-    if hashes is None:
-        return Named((host, port), lease)
+    return lease
+
+
+def _chunk_hashes(hashes: Any) -> tuple[bytes, ...]:
     try:
         if not isinstance(hashes, list) or len(hashes) > MAX_CHUNK_HASHES:
             raise ValueError
-        chunk_hashes = tuple(bytes.fromhex(h) for h in hashes)
+        return tuple(bytes.fromhex(h) for h in hashes)
     except (TypeError, ValueError):
         raise ValueError(
             f"kv_transfer_params.remote_chunk_hashes: at most {MAX_CHUNK_HASHES} hex strings"
         ) from None
-    return Named((host, port), lease, chunk_hashes)
 
 
 class PeerHolder:
@@ -160,7 +168,6 @@ class PeerSources:
         shared_curve(config.curve_secret_key_file)  # a wrong file fails at start, named
         self._lookups: OrderedDict[tuple[str, int], PrefixLookup] = OrderedDict()
         self._refused: set[str] = set()
-        self._lock = threading.Lock()
 
     def source_of(self, request: ConnectorRequest) -> Named | None:
         """The peer `request` names, if it may be asked."""
