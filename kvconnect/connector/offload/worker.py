@@ -28,6 +28,7 @@ the next save of the chunk writes it again.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections import Counter, deque
@@ -158,6 +159,7 @@ class OffloadWorker:
             context.model_name, context.model_fingerprint, context.block_size, config.chunk_size
         )
         self.tiers: list[Tier] = []
+        self._local: list[int] = []  # indices of the local tiers (cpu, disk), in order
         self.placement = TierPlacement(context.world_size, self.rank, namespace=self.namespace)
         self.paged: PagedKV | None = None
         self.device_ops = device_ops
@@ -216,6 +218,7 @@ class OffloadWorker:
                 self.tiers.append(create_tier(t, placement))
             except TierTooSmall as e:  # the chunk size is known only here, with the cache
                 logger.warning("offload: %s; running without that tier", e)
+        self._local = [i for i, t in enumerate(self.tiers) if not t.shared]
         for tier in self.tiers:
             if isinstance(tier, CpuTier):
                 tier.leased = self.leases.__contains__
@@ -274,7 +277,7 @@ class OffloadWorker:
         ready = None
         for save in meta.saves:
             key = self._key(save.chunk)
-            if any(t.contains(key) for t in self.tiers if not t.shared) or (
+            if any(self.tiers[i].contains(key) for i in self._local) or (
                 self._only_shared() and key in self._written_shared
             ):
                 continue
@@ -423,7 +426,7 @@ class OffloadWorker:
             self._events.extend(events)
 
     def _store(self, key: str, info: ChunkInfo, data: torch.Tensor) -> None:
-        local = [i for i, t in enumerate(self.tiers) if not t.shared]
+        local = self._local
         if local:
             self._put(local[0], key, info, data)
         for i, tier in enumerate(self.tiers):
@@ -501,7 +504,7 @@ class OffloadWorker:
                 logger.info("offload: peer %s:%d: release of %r: %s", *spec.source, spec.lease, e)
 
     def _fetch(self, key: str, info: ChunkInfo) -> torch.Tensor | None:
-        local = [i for i, t in enumerate(self.tiers) if not t.shared]
+        local = self._local
         for i, tier in enumerate(self.tiers):
             found = self._checked(tier, key, info)
             if found is None:
@@ -528,7 +531,7 @@ class OffloadWorker:
         logged)."""
         client = self._peer_client(source)
         wanted = [(self._key(info), info) for info in chunks]
-        local = [i for i, t in enumerate(self.tiers) if not t.shared]
+        local = self._local
         for (key, info), got in zip(wanted, client.fetch_many(wanted, self.placement), strict=True):
             if isinstance(got, IntegrityError):
                 logger.warning("offload: peer %s:%d: integrity miss: %s", *source, got)
@@ -561,9 +564,7 @@ class OffloadWorker:
             assert peer is not None, "a pull planned without a peer config"
             if len(self._peer_clients) >= 16:  # the oldest goes
                 self._peer_clients.pop(next(iter(self._peer_clients))).close()
-            numel = 1
-            for n in self.placement.chunk_shape:
-                numel *= n
+            numel = math.prod(self.placement.chunk_shape)
             client = self._peer_clients[source] = PeerClient(
                 f"tcp://{source[0]}:{source[1] + self.rank}",
                 self.context.world_size,
@@ -579,6 +580,8 @@ class OffloadWorker:
     def _lease(self, meta: OffloadMetadata) -> None:
         """Grant the step's leases (P/D) on this rank's keys of their chunks; end the ones
         whose time is up."""
+        if not meta.leases and not len(self.leases):  # the usual step: nothing to do
+            return
         world, released = self.context.world_size, 0
         for lease in meta.leases:
             ttl = lease.expires_at - time.time()
@@ -607,7 +610,7 @@ class OffloadWorker:
         holds (`contains` may be called from any thread). A chunk still on its way to the
         tier (its store queued: the request that computed it may have answered already, as
         a P/D prefill does at once) is waited for, up to half the peer timeout."""
-        local = [t for t in self.tiers if not t.shared]
+        local = [self.tiers[i] for i in self._local]
         assert self.config.peer is not None
         with self._cond:
             self._cond.wait_for(
