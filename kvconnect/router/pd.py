@@ -78,21 +78,23 @@ async def prefilled(
     min_tail: int,
     authorization: str | None,
     cache_salt: str | None = None,
-) -> bytes:
-    """The body to send D: with a prefill's params when one ran, else the client's own."""
+) -> bytes | None:
+    """The body to send D, with a prefill's params; None when D computes the prompt itself
+    (and gets the client's body)."""
     tail = len(token_ids) - decode_score.num_tokens
     if tail < max(1, min_tail):
         router.pd["local"] += 1
-        return raw
+        return None
     picked = router.pick_prefill(token_ids, cache_salt)
     if picked is None:
         router.pd["no_prefill_instance"] += 1
-        return raw
-    prefill, _ = picked
+        return None
+    prefill, score = picked
+    router.record(prefill.name, score)
     params = await _run_prefill(router, pool, prefill, path, raw, authorization)
     if params is None:
         router.pd["prefill_failed"] += 1
-        return raw
+        return None
     router.pd["disaggregated"] += 1
     return decode_body(raw, params)
 
@@ -107,7 +109,6 @@ async def _run_prefill(
 ) -> dict[str, Any] | None:
     name = prefill.name
     router.in_flight[name] += 1
-    router.decisions[name] += 1
     try:
         upstream = await pool.post(
             prefill.url, path, prefill_body(raw), authorization=authorization

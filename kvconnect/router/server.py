@@ -207,7 +207,8 @@ class RouterServer:
         authorization = self._authorization(http)
         tried: set[str] = set()
         failed = ""
-        body: bytes | None = None  # P/D: what the decode instance gets, once prefilled
+        prefill_pending = bool(router.prefill_names)  # P/D: once, whichever D answers
+        with_params: bytes | None = None  # P/D: the body with a prefill's params
         while True:
             picked = router.pick(token_ids, tried, req.cache_salt)
             if picked is None:
@@ -218,9 +219,9 @@ class RouterServer:
             in_flight = router.in_flight
             in_flight[instance.name] += 1
             try:
-                check = stale_check(req, token_ids)
-                if body is None and router.prefill_names:
-                    body = await prefilled(
+                if prefill_pending:
+                    prefill_pending = False
+                    with_params = await prefilled(
                         router,
                         self.pool,
                         http.path,
@@ -231,13 +232,13 @@ class RouterServer:
                         authorization,
                         req.cache_salt,
                     )
-                if body is not None and body is not http.body:
-                    check = None  # D counts what it pulled (or P's hits, vLLM): not its index
+                # D counts what it pulled (or, vLLM, P's hits), not what its index entry says
+                check = None if with_params else stale_check(req, token_ids)
                 response = await forward(
                     http,
                     self.pool,
                     instance,
-                    body or http.body,
+                    with_params or http.body,
                     router,
                     score,
                     check,
