@@ -34,7 +34,7 @@ from typing import Any
 import pytest
 
 from kvconnect.api.protocol import MAX_BODY_BYTES
-from tests.serving import Serve
+from tests.serving import Serve, request
 
 pytestmark = pytest.mark.slow
 
@@ -229,13 +229,9 @@ VALID = gzip.compress(json.dumps(COMPLETION).encode())
 def test_a_body_that_does_not_decode_is_a_400_naming_the_coding(
     server: Serve, coding: str, body: bytes
 ) -> None:
-    conn = Conn(server.port)
-    try:
-        status, answer = conn.exchange(
-            "/v1/completions", body, {"Content-Encoding": coding, **AUTH}
-        )
-    finally:
-        conn.close()
+    status, answer, _ = request(
+        server.url + "/v1/completions", body, {"Content-Encoding": coding, **AUTH}
+    )
     assert status == 400, answer
     assert answer["error"]["message"] == f"the body does not decode (Content-Encoding: {coding})"
 
@@ -243,12 +239,8 @@ def test_a_body_that_does_not_decode_is_a_400_naming_the_coding(
 @pytest.mark.parametrize("coding", ["br", "zstd", "x-unknown", "gzip, gzip"])
 def test_an_unsupported_coding_is_a_415_naming_it(server: Serve, coding: str) -> None:
     body = json.dumps(COMPLETION).encode()  # plain JSON: taken as it is, it would be served
-    conn = Conn(server.port)
-    try:
-        status, answer = conn.exchange(
-            "/v1/completions", body, {"Content-Encoding": coding, **AUTH}
-        )
-    finally:
-        conn.close()
+    status, answer, _ = request(
+        server.url + "/v1/completions", body, {"Content-Encoding": coding, **AUTH}
+    )
     assert status == 415, answer
     assert f"Content-Encoding {coding!r} is not supported" in answer["error"]["message"]
