@@ -164,8 +164,9 @@ def prompt(seed: int, num_tokens: int = 1100) -> list[int]:
     return [rng.randrange(100, 49000) for _ in range(num_tokens)]
 
 
-def complete(server: VllmServer, tokens: list[int]) -> tuple[list[int], int]:
-    """Greedy answer token ids and the prompt tokens vLLM did not compute."""
+def complete(server: VllmServer, tokens: list[int], **extra: Any) -> tuple[list[int], int]:
+    """Greedy answer token ids and the prompt tokens vLLM did not compute; `extra` fields go
+    into the request."""
     body = {
         "model": "smollm2",
         "prompt": tokens,
@@ -173,6 +174,7 @@ def complete(server: VllmServer, tokens: list[int]) -> tuple[list[int], int]:
         "temperature": 0,
         "ignore_eos": True,
         "return_token_ids": True,
+        **extra,
     }
     answer, _ = post_json(server.url + "/v1/completions", body)
     details = answer["usage"].get("prompt_tokens_details") or {}

@@ -9,7 +9,6 @@ monolithic answer; malformed params are a warning, and the engine serves on.
 from __future__ import annotations
 
 import json
-import random
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,7 +17,7 @@ import pytest
 
 from kvconnect.router.pd import TO_PREFILL
 from tests_vllm.conftest import VllmServer, free_port, kvconnect_plugin, post_json, running
-from tests_vllm.test_offload import Events, external_hits
+from tests_vllm.test_offload import Events, complete, external_hits, prompt
 from tests_vllm.test_serve import wait_until
 
 BLOCK, CHUNK = 64, 256
@@ -46,26 +45,6 @@ def pair(model_dir: Path) -> Iterator[tuple[VllmServer, VllmServer, int]]:
     ]
     with running(made):
         yield made[0], made[1], a_port
-
-
-def complete(server: VllmServer, tokens: list[int], **extra: Any) -> tuple[list[int], int]:
-    body = {
-        "model": "smollm2",
-        "prompt": tokens,
-        "max_tokens": 12,
-        "temperature": 0,
-        "ignore_eos": True,
-        "return_token_ids": True,
-        **extra,
-    }
-    answer, _ = post_json(server.url + "/v1/completions", body)
-    details = answer["usage"].get("prompt_tokens_details") or {}
-    return list(answer["choices"][0]["token_ids"]), int(details.get("cached_tokens") or 0)
-
-
-def prompt(seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(100, 49000) for _ in range(1100)]  # 4 whole chunks
 
 
 def source(port: int, host: str = "127.0.0.1") -> dict[str, Any]:
