@@ -187,11 +187,16 @@ def test_every_field_of_the_step_metadata_reaches_the_worker_in_the_engines_type
             == 1
         )
         halves.step_until_redis_drops_one()
-        # One step with all of it: a load (b finds a's chunk in the cpu tier), a save (c's
-        # chunk), a reset, the chunk Redis dropped, and a lease (a finished as a P/D prefill).
+        # One step with all of it: a load (b finds a's chunk in the cpu tier), saves (c's
+        # chunk, and the tail of a's answer: a finished request's last save), a reset, the
+        # chunk Redis dropped, and a lease (a finished as a P/D prefill).
         b = Req("b", a)
         sched = halves.scheduler
-        assert sched.request_finished(Req("a", a, {"do_remote_decode": True})) is not None
+        answered = [*a, 9, 10, 11, 12]  # its 12 computed tokens: a tail of one block
+        hold, params = sched.request_finished(
+            Req("a", answered, {"do_remote_decode": True}), [0, 1, 2]
+        )
+        assert hold and params is not None
         assert sched.get_num_new_matched_tokens(b, 0) == (CHUNK, True)
         sched.update_state_after_alloc(b, [7, 8, 9], CHUNK)
         assert sched.reset_cache()
@@ -206,8 +211,10 @@ def test_every_field_of_the_step_metadata_reaches_the_worker_in_the_engines_type
             ("b", [[7, 8]], [0])
         ]
         assert [(s.chunk.last_block_hash, s.block_ids) for s in meta.saves] == [
-            (block_hashes(c, BS)[1], [0, 1])
+            (block_hashes(answered, BS)[2], [2]),
+            (block_hashes(c, BS)[1], [0, 1]),
         ]
+        assert meta.finished_saves == ["a"]
         # Every field is set here, so one the engine's type dropped would show (a field added
         # later must be set above too), but `idle`: a step with a save computes something.
         empty = OffloadMetadata()

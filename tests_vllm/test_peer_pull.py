@@ -3,7 +3,8 @@ CPU, block size 64, chunks of 256): a request to b whose `kv_transfer_params` (v
 request field) names a's peer port pulls the 4 chunks a holds into b's blocks, and b answers as
 a does; a host not in b's peer sources is never asked, and b computes the same answer.
 P/D between the two, driven as vLLM's toy proxy drives NixlConnector pairs, decodes the
-monolithic answer; malformed params are a warning, and the engine serves on.
+monolithic answer; malformed params are a warning, and the engine serves on. A chat's
+returning turn loads what its first turn computed, answer and tail included.
 """
 
 from __future__ import annotations
@@ -39,7 +40,11 @@ def pair(model_dir: Path) -> Iterator[tuple[VllmServer, VllmServer, int]]:
     a_port = free_port()
     made = [
         VllmServer(
-            model_dir, BLOCK, cpu=cpu, extra_args=["--kv-transfer-config", json.dumps(config(p))]
+            model_dir,
+            BLOCK,
+            cpu=cpu,
+            extra_args=["--kv-transfer-config", json.dumps(config(p))],
+            extra_env={"VLLM_SERVER_DEV_MODE": "1"},  # /reset_prefix_cache
         )
         for cpu, p in ((0, a_port), (1, free_port()))
     ]
@@ -120,3 +125,33 @@ def test_malformed_params_are_a_warning_not_a_dead_engine(
     assert complete(b, tokens, **bad) == (answer, 0)
     assert "needs a host and a port" in b.log.read_text()
     assert complete(b, tokens)[0] == answer
+
+
+def test_a_returning_turn_loads_all_the_first_turn_computed_but_one_block(
+    pair: tuple[VllmServer, VllmServer, int],
+) -> None:
+    """A chat's second turn: the first turn's prompt (4 chunks and 76 tokens), its 12-token
+    answer and 40 new tokens. The first turn, finished, saved its 17th block as a tail (its
+    blocks held until the workers copied it out: `request_finished` -> True, then
+    `finished_sending`), so with vLLM's own cache emptied the second turn loads 17 blocks
+    and computes 64 tokens, its new ones and the block they start in."""
+    a, b, _ = pair
+    events = Events(a)
+    try:
+        first = prompt(5, 1100)
+        answer, _ = complete(a, first)
+        turn = first + answer + prompt(6, 40)
+        wait_until(
+            lambda: any(len(e.block_hashes) == 1 for e in events.stored("CPU")),
+            "the first turn's tail of one block in a's cpu tier",
+        )
+        # refused while blocks are held (the tail's, until copied): retried
+        reset = a.url + "/reset_prefix_cache"
+        wait_until(lambda: post_json(reset, {})[0]["success"], "vLLM's own cache emptied")
+        before = external_hits(a)
+        got, cached = complete(a, turn)
+        assert cached == external_hits(a) - before == 17 * BLOCK
+        assert len(turn) - cached == 64
+        assert got == complete(b, turn)[0]  # b computes all of it
+    finally:
+        events.close()

@@ -205,9 +205,9 @@ class OffloadConnector(OffloadHalves, KVConnectorBase_V1):
         self, request: Any, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         self._requests.pop(request.request_id, None)
-        params = self._sched().request_finished(request)
+        saving, params = self._sched().request_finished(request, block_ids)
         # A load still writing into its blocks: vLLM frees them when it reports finished.
-        return request.request_id in self._loading, params
+        return saving or request.request_id in self._loading, params
 
     def take_events(self) -> list[Any]:
         return [to_vllm_event(e) for e in self._sched().take_events()]

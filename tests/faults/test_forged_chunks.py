@@ -44,6 +44,9 @@ def prompt(seed: int) -> list[int]:
 P, Q, X = prompt(21), prompt(22), prompt(23)
 """150 tokens each: 4 whole chunks of 32. X is never sent before the planted chunks wait."""
 NUM_CHUNKS = 4
+NUM_ENTRIES = NUM_CHUNKS + 1
+"""What one generated prompt stores: its chunks, and a tail (blocks 128-143) when it ends."""
+LOADED = NUM_CHUNKS * 32 + 16
 ATTACKER_KEY = b"attacker's own key, not the one!"
 
 
@@ -228,7 +231,7 @@ def test_forged_chunks_on_disk_under_a_running_engine_never_change_an_output(
         assert stat(inst, "num_integrity_misses") == NUM_CHUNKS
         assert stat(inst, "num_disk_integrity_misses") == NUM_CHUNKS
         assert inst.count(BlockRemoved, TIER_STORAGE_LOCAL) == removed + NUM_CHUNKS
-        assert generate(inst, P) == (reference["P"], NUM_CHUNKS * 32)  # stored again, true
+        assert generate(inst, P) == (reference["P"], LOADED)  # stored again, true
     finally:
         inst.close()
     assert held(inst, TIER_STORAGE_LOCAL) == disk_contents(root)
@@ -259,10 +262,10 @@ def test_chunks_planted_on_disk_for_an_unsent_prompt_are_left_alone_under_a_key(
             planted[names._path(key)] = blob
     inst = instance(tmp_path, "b", tier)
     try:
-        inst.until(lambda: inst.count(BlockStored, TIER_STORAGE_LOCAL) == NUM_CHUNKS)  # P's
+        inst.until(lambda: inst.count(BlockStored, TIER_STORAGE_LOCAL) == NUM_ENTRIES)  # P's
         assert all(p.read_bytes() == blob for p, blob in planted.items())  # left alone
         assert generate(inst, X) == (reference["X"], 0)
-        assert inst.count(BlockStored, TIER_STORAGE_LOCAL) == 2 * NUM_CHUNKS  # X's, computed
+        assert inst.count(BlockStored, TIER_STORAGE_LOCAL) == 2 * NUM_ENTRIES  # X's, computed
     finally:
         inst.close()
     assert held(inst, TIER_STORAGE_LOCAL) == disk_contents(root)

@@ -136,7 +136,8 @@ def test_cached_tokens_count_only_the_chunks_that_loaded(served: tuple[Serve, Pa
     assert cached == 0
     others = random.Random(3416)
     reported: list[int] = []
-    for tampered, expected in (((), 128), ((2,), 64), ((0, 1, 2, 3), 0)):
+    # Untouched: the 4 chunks and the tail its first answer left (block 8), 144 tokens.
+    for tampered, expected in (((), 144), ((2,), 64), ((0, 1, 2, 3), 0)):
         files = stored(root)
         for _ in range(3):  # push PROMPT's blocks out of the engine's own cache
             other = [others.randrange(256) for _ in range(150)]

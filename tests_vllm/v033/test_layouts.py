@@ -150,7 +150,7 @@ def round_trip(
             view.view(torch.uint8).zero_()
         worker.start_load_kv(OffloadMetadata(loads=[LoadSpec("r", [info()], [[10, 1]], [0])]))
         assert worker.drain()
-        assert worker.get_finished() == {"r"}
+        assert worker.get_finished() == (None, {"r"})
         assert worker.get_block_ids_with_load_errors() == set()
     finally:
         worker.shutdown()

@@ -1,9 +1,11 @@
 """What both halves of the offload connector share: settings, chunk identity, step messages.
 
 A chunk is `chunk_size` consecutive tokens of a request, a multiple of the engine's block size,
-starting at a multiple of `chunk_size`. It is stored once per TP rank (each rank holds its own
-KV heads) under a key naming the model, the world size, the rank and the chained hash of the
-chunk's last block, so the same prefix finds the same entries across requests and instances:
+starting at a multiple of `chunk_size` (a request that ends stores a *tail* too: the first
+blocks of a chunk it did not fill, a chunk of fewer blocks). It is stored once per TP rank
+(each rank holds its own KV heads) under a key naming the model, the world size, the rank and
+the chained hash of the chunk's last block, so the same prefix finds the same entries across
+requests and instances:
 
     tokens  [ chunk 0: blocks 0..15 | chunk 1: blocks 16..31 | ...]     chunk_size 256, block 16
     key     "<model>@<fp>/<world_size>/<rank>/<hex hash of block 15>"    (then block 31, ...)
@@ -312,6 +314,9 @@ class OffloadMetadata(KVConnectorMetadata):
     worker with loads under way may wait a little for one, off the GIL (see the vLLM
     plugin's get_finished), instead of the engine spinning against its I/O thread."""
     leases: list[LeaseSpec] = field(default_factory=list)
+    finished_saves: list[str] = field(default_factory=list)
+    """Finished requests whose last chunks are among `saves`: once those are copied out,
+    workers report them in `finished_sending`, and the engine frees their blocks."""
 
 
 @dataclass

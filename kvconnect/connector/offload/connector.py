@@ -72,7 +72,7 @@ class OffloadHalves:
         self._work().wait_for_save(self._meta())
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        return None, self._work().get_finished()
+        return self._work().get_finished()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._work().get_block_ids_with_load_errors()
@@ -127,9 +127,10 @@ class OffloadConnector(OffloadHalves, KVConnectorBase):
     def request_finished(
         self, request: ConnectorRequest, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        # Chunks were copied out when computed: the blocks are free to go. A P/D prefill's
-        # answer names where its (leased) chunks are.
-        return False, self._sched().request_finished(request)
+        # Chunks are copied out as they are computed; what was computed past them is saved
+        # in the next step, the blocks held till then. A P/D prefill's answer names where
+        # its (leased) chunks are.
+        return self._sched().request_finished(request, block_ids)
 
     def take_events(self) -> list[KVCacheEvent]:
         return self._sched().take_events()

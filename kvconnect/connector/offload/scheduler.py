@@ -13,8 +13,11 @@ chunks that neither holds: the workers then pull those from it.
     update_state_after_alloc     the load's target blocks -> a LoadSpec for the workers
     build_connector_meta         this step's loads, and the chunks whose tokens became
                                  computed in this step (saves)
-    request_finished             P/D: a `do_remote_decode` request leases its prompt's
-                                 chunks and answers with what the decode instance needs
+    request_finished             what a request that ran to its end computed past its
+                                 saved chunks (its answer's, and a tail of fewer blocks):
+                                 saved in the next step, its blocks held till then; P/D: a
+                                 `do_remote_decode` request leases its prompt's chunks and
+                                 answers with what the decode instance needs
                                  (NixlConnector's keys, and `remote_chunk_hashes`)
 
 P/D in NixlConnector's handshake (vLLM's toy proxy, llm-d's sidecar and kvconnect's router
@@ -32,6 +35,7 @@ import logging
 import time
 import uuid
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -85,6 +89,21 @@ class _Tracked:
     block_hashes: list[bytes]
     cache_salt: str | None = None
     next_chunk: int = 0
+
+
+@dataclass
+class _Plan:
+    """A load `get_num_new_matched_tokens` found, for `update_state_after_alloc`."""
+
+    start: int
+    """Tokens the engine has computed already."""
+    num: int
+    """Whole chunks from the start: the first `from_source` from this instance's tiers, the
+    rest pulled from `source`."""
+    tail: int
+    """Blocks of chunk `num` loaded from a local tier's tail (0: none)."""
+    source: Named | None
+    from_source: int
 
 
 def warn_unsigned(tiers: tuple[TierConfig, ...]) -> None:
@@ -141,9 +160,11 @@ class OffloadScheduler:
         # is released (the watcher follows keys, which name the raw hash).
         self._raw_by_wire: OrderedDict[int | bytes, bytes] = OrderedDict()
         self._shared_gone: list[bytes] = []
-        # request -> (first token, num chunks, the peer and the first chunk it holds)
-        self._plans: dict[str, tuple[int, int, Named | None, int]] = {}
+        self._plans: dict[str, _Plan] = {}
         self._leases: list[LeaseSpec] = []
+        self._finishing: list[SaveSpec] = []  # finished requests' last saves, next step
+        self._finishing_ids: list[str] = []
+        self._holding: set[str] = set()  # their ids, until the workers report them copied
         engine_id = getattr(context.kv_transfer_config, "engine_id", None)
         self.engine_id = engine_id or str(uuid.uuid4())
         self._loads: list[LoadSpec] = []
@@ -159,24 +180,29 @@ class OffloadScheduler:
         return to_wire(block_hash, as_int=self.context.int_block_hashes)
 
     def chunk_info(
-        self, token_ids: list[int], block_hashes: list[bytes], i: int, cache_salt: str | None
+        self,
+        token_ids: Sequence[int],
+        block_hashes: Sequence[bytes],
+        i: int,
+        cache_salt: str | None,
+        num_blocks: int | None = None,
     ) -> ChunkInfo:
-        """Chunk i of a request, described as its KV events will describe it."""
-        per = self.config.blocks_per_chunk
-        hashes = block_hashes[i * per : (i + 1) * per]
+        """Chunk i of a request, described as its KV events will describe it: its first
+        `num_blocks` blocks only for a tail (default: all of them)."""
+        per, bs = self.config.blocks_per_chunk, self.context.block_size
+        first, end = i * per, i * per + (per if num_blocks is None else num_blocks)
+        hashes = block_hashes[first:end]
         wire = self._wire
-        parent = wire(block_hashes[i * per - 1]) if i else None
-        c = self.config.chunk_size
+        parent = wire(block_hashes[first - 1]) if i else None
         keys = tuple(
-            to_event(request_extra_keys(b, cache_salt=cache_salt))
-            for b in range(i * per, (i + 1) * per)
+            to_event(request_extra_keys(b, cache_salt=cache_salt)) for b in range(first, end)
         )
         return ChunkInfo(
             hashes[-1],
             tuple(wire(h) for h in hashes),
             parent,
-            tuple(token_ids[i * c : (i + 1) * c]),
-            self.context.block_size,
+            tuple(token_ids[first * bs : end * bs]),
+            bs,
             keys if any(k is not None for k in keys) else None,
         )
 
@@ -214,11 +240,23 @@ class OffloadScheduler:
                 if num_peer is None:
                     return None, False
                 num += num_peer
-        num_tokens = min(num * c, limit)
+        tail = self._held_tail(request, num, limit) if num == from_source else 0
+        num_tokens = min(num * c + tail * self.context.block_size, limit)
         if num_tokens <= num_computed_tokens:
             return 0, False
-        self._plans[request.request_id] = (num_computed_tokens, num, source, from_source)
+        self._plans[request.request_id] = _Plan(num_computed_tokens, num, tail, source, from_source)
         return num_tokens - num_computed_tokens, True
+
+    def _held_tail(self, request: ConnectorRequest, num: int, limit: int) -> int:
+        """How many blocks of chunk `num` a local tier holds as a tail (the blocks a finished
+        request had computed past its last whole chunk, saved when it finished): the longest
+        held, within `limit` tokens; 0 if none."""
+        per, bs = self.config.blocks_per_chunk, self.context.block_size
+        first = num * per
+        for k in range(min(per - 1, limit // bs - first, len(request.block_hashes) - first), 0, -1):
+            if self.held.get(self._wire(request.block_hashes[first + k - 1])):
+                return k
+        return 0
 
     def _agreed(self, request: ConnectorRequest, source: Named, last: list[bytes]) -> int:
         """How many of the request's first chunks the source may be asked for: all, unless a
@@ -258,23 +296,18 @@ class OffloadScheduler:
         self._forget(request.request_id)
         if plan is None or num_external_tokens == 0:
             return
-        start, num, source, from_source = plan
+        start, num = plan.start, plan.num
         c, bs, per = self.config.chunk_size, self.context.block_size, self.config.blocks_per_chunk
         # The last chunk's blocks past the hit are not allocated to the load: fewer block ids.
-        block_ids = block_ids[: min(num * c, self._max_hit(request)) // bs]
+        block_ids = block_ids[: min(num * c + plan.tail * bs, self._max_hit(request)) // bs]
         spec = LoadSpec(request.request_id, [], [], [])
-        if source is not None and from_source < num:
-            spec.source, spec.from_source = source.addr, max(0, from_source - start // c)
-            spec.lease = source.lease
-        for i in range(start // c, num):
-            spec.chunks.append(
-                self.chunk_info(
-                    list(request.all_token_ids),
-                    list(request.block_hashes),
-                    i,
-                    request.cache_salt,
-                )
-            )
+        if plan.source is not None and plan.from_source < num:
+            spec.source, spec.from_source = plan.source.addr, max(0, plan.from_source - start // c)
+            spec.lease = plan.source.lease
+        tokens, hashes = request.all_token_ids, request.block_hashes
+        for i in range(start // c, num + (plan.tail > 0)):
+            size = plan.tail if i == num else None
+            spec.chunks.append(self.chunk_info(tokens, hashes, i, request.cache_salt, size))
             spec.block_ids.append(list(block_ids[i * per : (i + 1) * per]))
             spec.first_block.append(max(0, start - i * c) // bs)
         self._loads.append(spec)
@@ -283,13 +316,16 @@ class OffloadScheduler:
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> OffloadMetadata:
         meta = self.metadata_class(
+            saves=self._finishing,
             loads=self._loads,
             reset=self._reset,
             shared_gone=self._shared_gone,
             idle=not scheduler_output.scheduled,
             leases=self._leases,
+            finished_saves=self._finishing_ids,
         )
         self._loads, self._reset, self._shared_gone, self._leases = [], False, [], []
+        self._finishing, self._finishing_ids = [], []
         self._unreported = self._unreported or bool(meta.loads or meta.reset or meta.leases)
         for new in scheduler_output.scheduled_new_reqs:
             self._tracked[new.request_id] = _Tracked(
@@ -307,16 +343,20 @@ class OffloadScheduler:
                 info = self.chunk_info(
                     tracked.token_ids, tracked.block_hashes, i, tracked.cache_salt
                 )
-                meta.saves.append(SaveSpec(info, list(s.block_ids[i * per : (i + 1) * per])))
+                meta.saves.append(self._save(info, s.block_ids[i * per : (i + 1) * per]))
                 tracked.next_chunk += 1
-                if self.watcher is not None:
-                    self._raw_by_wire[info.block_hashes[-1]] = info.last_block_hash
-                    if len(self._raw_by_wire) > MAX_UNCONFIRMED:
-                        self._raw_by_wire.popitem(last=False)
         self._unreported = self._unreported or bool(meta.saves)
         return meta
 
+    def _save(self, info: ChunkInfo, block_ids: list[int]) -> SaveSpec:
+        if self.watcher is not None:
+            self._raw_by_wire[info.block_hashes[-1]] = info.last_block_hash
+            if len(self._raw_by_wire) > MAX_UNCONFIRMED:
+                self._raw_by_wire.popitem(last=False)
+        return SaveSpec(info, list(block_ids))
+
     def update_connector_output(self, output: KVConnectorOutput) -> None:
+        self._holding -= output.finished_sending or set()
         meta = output.kv_connector_worker_meta
         if meta is not None and not isinstance(meta, KVEventsWorkerMetadata):
             raise TypeError(f"OffloadConnector got {type(meta).__name__} worker metadata")
@@ -359,6 +399,7 @@ class OffloadScheduler:
         return (
             self._reset  # the workers must be told, even on an idle engine
             or bool(self._leases)
+            or bool(self._holding)  # finished requests' last saves, their blocks held
             or self._unreported
             or any(self.pending_io.values())
             or self.quorum.num_pending > 0
@@ -382,19 +423,55 @@ class OffloadScheduler:
         if self.peers is not None:
             self.peers.forget(request_id)
 
-    def request_finished(self, request: ConnectorRequest) -> dict[str, Any] | None:
-        """The answer's `kv_transfer_params`: for a prefill of P/D (`do_remote_decode`),
-        what the decode instance needs, its chunks leased to it; else None."""
+    def request_finished(
+        self, request: ConnectorRequest, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """Whether the request's blocks must wait (its last saves), and the answer's
+        `kv_transfer_params`: for a prefill of P/D (`do_remote_decode`), what the decode
+        instance needs, its chunks leased to it; else None."""
         tracked = self._tracked.pop(request.request_id, None)
         self._plans.pop(request.request_id, None)
         self._forget(request.request_id)
-        params = request.kv_transfer_params
-        if not params or not params.get("do_remote_decode") or tracked is None:
-            return None
         status = getattr(getattr(request, "status", None), "name", None)
+        if tracked is None or status not in FINISHED_WHOLE:
+            return False, None
+        hold = self._save_rest(request, tracked, block_ids)
+        return hold, self._pd_params(request, tracked)
+
+    def _save_rest(
+        self, request: ConnectorRequest, tracked: _Tracked, block_ids: list[int]
+    ) -> bool:
+        """A request that ran to its end: its blocks computed past the chunks saved so far
+        (its answer's, and a tail of fewer blocks than a chunk) are saved in the next step,
+        so that a returning turn of a chat recomputes at most its new tokens and the block
+        they start in. Whether there are any: the blocks are then held until the workers
+        report them copied (`finished_sending`)."""
+        per = self.config.blocks_per_chunk
+        tokens, hashes = request.all_token_ids, request.block_hashes
+        # the last token was sampled, not computed: its KV is not in the cache
+        num_blocks = min((len(tokens) - 1) // self.context.block_size, len(hashes), len(block_ids))
+        saves = []
+        if not self._local_tiers:  # a tail is kept in local tiers only: none to save
+            num_blocks -= num_blocks % per
+        for i in range(tracked.next_chunk, -(-num_blocks // per)):
+            size = min(per, num_blocks - i * per)
+            info = self.chunk_info(tokens, hashes, i, tracked.cache_salt, size)
+            if not self.held.get(info.block_hashes[-1]):  # a chat's earlier turn saved it
+                saves.append(self._save(info, block_ids[i * per : i * per + size]))
+        if not saves:
+            return False
+        self._finishing.extend(saves)
+        self._finishing_ids.append(request.request_id)
+        self._holding.add(request.request_id)
+        return True
+
+    def _pd_params(self, request: ConnectorRequest, tracked: _Tracked) -> dict[str, Any] | None:
+        params = request.kv_transfer_params
+        if not params or not params.get("do_remote_decode"):
+            return None
         if self.config.peer is None or not self.config.peer.pd:
             return None  # another connector's handshake, or none: not ours to answer
-        if status not in FINISHED_WHOLE or not tracked.next_chunk:
+        if not tracked.next_chunk:
             return None
         peer, per = self.config.peer, self.config.blocks_per_chunk
         last = [tracked.block_hashes[(i + 1) * per - 1] for i in range(tracked.next_chunk)]

@@ -167,6 +167,7 @@ class OffloadWorker:
         self._lock = threading.Lock()  # guards the fields the I/O thread shares with the step
         self._events: list[KVCacheEvent] = []
         self._finished_loads: set[str] = set()
+        self._finished_saves: set[str] = set()  # step thread only
         self._load_errors: set[int] = set()
         self._stats: dict[str, int] = {}
         self._cond = threading.Condition(self._lock)
@@ -292,6 +293,9 @@ class OffloadWorker:
                 self._stores.append(job)
                 self._storing[key] += 1
                 self._cond.notify()
+        # Copied out (or on the copy stream, which the next step's compute waits for: see
+        # handle_preemptions): the blocks may go.
+        self._finished_saves.update(meta.finished_saves)
 
     def _copy_out(self, key: str, info: ChunkInfo, block_ids: list[int], ready: Any) -> StoreJob:
         """Queue the copy of the blocks to host memory on the copy stream, after `ready`."""
@@ -308,10 +312,12 @@ class OffloadWorker:
     def _only_shared(self) -> bool:
         return all(t.shared for t in self.tiers)
 
-    def get_finished(self) -> set[str] | None:
+    def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
+        """(requests whose last saves are copied out, requests whose loads are done)."""
+        saved, self._finished_saves = self._finished_saves, set()
         with self._lock:
             done, self._finished_loads = self._finished_loads, set()
-        return done or None
+        return saved or None, done or None
 
     def wait_for_finished_load(self, timeout: float) -> bool:
         """Wait until some load has finished (and is not yet reported), up to `timeout`
@@ -429,8 +435,10 @@ class OffloadWorker:
         local = self._local
         if local:
             self._put(local[0], key, info, data)
+        # A tail (fewer blocks than a chunk) stays local: only this instance looks for one.
+        whole = len(info.block_hashes) == self.config.blocks_per_chunk
         for i, tier in enumerate(self.tiers):
-            if tier.shared:
+            if tier.shared and whole:
                 self._put(i, key, info, data)
         with self._lock:
             self._count("num_chunks_stored")

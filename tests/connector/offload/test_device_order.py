@@ -140,10 +140,10 @@ def test_a_load_is_finished_only_after_its_copy_into_the_cache_happened() -> Non
             ("compute stream",),
             ("synchronize", "copy3"),
         ]
-        assert worker.get_finished() is None  # the copy has not happened: not finished
+        assert worker.get_finished() == (None, None)  # the copy has not happened: not finished
         ops.let_happen("copy3")
         assert worker.drain(WAIT)
-        assert worker.get_finished() == {"r"}
+        assert worker.get_finished() == (None, {"r"})
         for name, cache in caches.items():
             assert torch.equal(cache[:, [7, 8]], saved[name])
     finally:

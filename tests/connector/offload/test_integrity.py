@@ -84,6 +84,11 @@ def test_an_entry_must_describe_the_chunk_asked_for_and_this_engines_shape() -> 
     assert "shape" in str(mismatch(asked, StoredChunk(asked, narrow), PLACEMENT))
     half = data.half()
     assert "float16" in str(mismatch(asked, StoredChunk(asked, half), PLACEMENT))
+    # A tail (one block of 4 tokens): its data has its own tokens, no more, no fewer.
+    tail = ChunkInfo(b"t" * 32, (30,), 3, (3,) * 4, 4)
+    assert mismatch(tail, StoredChunk(tail, data[:, :, :4]), PLACEMENT) is None
+    assert "shape" in str(mismatch(tail, StoredChunk(tail, data), PLACEMENT))
+    assert "token ids" in str(mismatch(tail, StoredChunk(asked, data), PLACEMENT))
 
 
 def test_the_key_file_is_checked_at_start(tmp_path: Path) -> None:

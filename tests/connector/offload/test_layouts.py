@@ -115,7 +115,7 @@ def save_clear_load(
     raw.zero_()
     worker.start_load_kv(OffloadMetadata(loads=[LoadSpec("r", [info(1)], [dst], [first])]))
     assert worker.drain()
-    assert worker.get_finished() == {"r"}
+    assert worker.get_finished() == (None, {"r"})
     assert worker.get_block_ids_with_load_errors() == set()
 
 

@@ -70,6 +70,7 @@ class Loop:
         self.events: list[Any] = []
         self.next_block = 0
         self.finished_recving: set[str] = set()
+        self.finished_sending: set[str] = set()
         self.invalid: set[int] = set()
 
     def blocks(self, n: int) -> list[int]:
@@ -96,6 +97,7 @@ class Loop:
             outputs.append(roundtrip(output))
         agg = self.aggregator.aggregate(outputs)
         self.finished_recving |= agg.finished_recving or set()
+        self.finished_sending |= agg.finished_sending or set()
         self.invalid |= agg.invalid_block_ids
         self.sched.update_connector_output(agg)
         self.events += self.sched.take_events()
@@ -352,7 +354,8 @@ def test_pd_handshake_between_two_tp2_connectors(tmp_path: Path) -> None:
         p.step([("a", tokens, src)])
         asked = {"do_remote_decode": True, "remote_host": None, "remote_port": None}
         hold, params = p.sched.request_finished(Req("a", tokens, asked), src)
-        assert not hold and params is not None
+        # its 5th block is saved as a tail in the next step: its blocks wait for that
+        assert hold and params is not None
         assert (params["remote_host"], params["remote_port"], params["tp_size"]) == (
             "127.0.0.1",
             p_port,
@@ -360,6 +363,7 @@ def test_pd_handshake_between_two_tp2_connectors(tmp_path: Path) -> None:
         )
         assert params["remote_num_tokens"] == 16 and len(params["remote_chunk_hashes"]) == 2
         p.step()
+        assert p.finished_sending == {"a"}
         for w in p.workers:
             assert w.worker is not None and len(w.worker.leases) == 1
 

@@ -25,7 +25,8 @@ from tests.helpers import read_through
 pytestmark = pytest.mark.slow
 
 CHUNK = 32
-PROMPT = [random.Random(9).randrange(256) for _ in range(150)]  # 4 whole chunks + 22 tokens
+# 4 whole chunks + 22 tokens; finished (6 tokens more), a tail of one block is saved too
+PROMPT = [random.Random(9).randrange(256) for _ in range(150)]
 GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
 
 
@@ -82,14 +83,44 @@ def test_reset_then_the_same_prompt_loads_from_the_tier(
     ) as llm:
         first = llm.generate([PROMPT], GREEDY)[0]
         assert first.num_external_tokens == 0
-        settle(llm, 4)  # the 4 chunks are in the tier
+        # the 4 chunks are in the tier, and in a local one the tail the request left: its
+        # 155 computed tokens' 9th block (a shared tier keeps whole chunks only)
+        entries = 4 if kind == "redis" else 5
+        settle(llm, entries)
         assert llm.reset_prefix_cache() is True  # the engine's own cache only
         again = llm.generate([PROMPT], GREEDY)[0]
-        assert again.num_external_tokens == 4 * CHUNK and again.num_cached_tokens == 0
+        loaded = 4 * CHUNK if kind == "redis" else 4 * CHUNK + 16
+        assert again.num_external_tokens == loaded and again.num_cached_tokens == 0
         assert again.outputs[0].token_ids == first.outputs[0].token_ids
         stats = llm.scheduler.connector_stats
-        assert stats is not None and stats.data["num_chunks_loaded"] == 4 * tp
+        assert stats is not None and stats.data["num_chunks_loaded"] == entries * tp
         assert_no_leaks(llm)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_returning_turn_recomputes_only_its_new_tokens_and_the_block_they_start_in(
+    tp: int,
+) -> None:
+    """A chat's second turn sends the first turn's prompt, its answer and a new message.
+    The first turn, finished, saved what it computed past its whole chunks (the answer's
+    chunk and the tail of fewer blocks), so the second turn, pushed out of the engine's own
+    cache, loads all of it but the block its new tokens start in, with the same output."""
+    answer = SamplingParams(max_tokens=40, ignore_eos=True)
+    cfg = offload({"kind": "cpu", "max_bytes": 1 << 26})
+    with LLM("tiny", tensor_parallel_size=tp, kv_transfer_config=cfg) as llm, LLM("tiny") as ref:
+        first = llm.generate([PROMPT], answer)[0]
+        history = PROMPT + list(first.outputs[0].token_ids)  # 190 tokens, 189 computed
+        settle(llm, 6)  # chunks 0-3, then chunk 4 (tokens 128-159) and a tail (160-175)
+        turn = history + [random.Random(5).randrange(256) for _ in range(12)]
+        assert llm.reset_prefix_cache() is True
+        second = llm.generate([turn], GREEDY)[0]
+        assert second.outputs[0].token_ids == ref.generate([turn], GREEDY)[0].outputs[0].token_ids
+        recomputed = len(turn) - second.num_external_tokens
+        assert second.num_external_tokens == 176 and recomputed <= 12 + 16, recomputed
+        settle(llm, 6 + 1)  # the second turn's chunk 5 (160-191); 207 computed: no tail
+        assert_no_leaks(llm)
+        assert isinstance(llm.connector, OffloadConnector) and llm.connector.scheduler
+        assert not llm.connector.scheduler._holding
 
 
 def test_a_second_instance_reuses_the_first_ones_kv_through_redis(
@@ -133,9 +164,9 @@ def test_a_corrupted_disk_chunk_is_recomputed_and_reported(tmp_path: Path) -> No
             sub = KVEventSubscriber(f"ipc://{d}/ev")
             assert llm.publisher.wait_for_subscriber()  # type: ignore[attr-defined]
             expected = llm.generate([PROMPT], GREEDY)[0].outputs[0].token_ids
-            settle(llm, 4)
+            settle(llm, 5)
             files = sorted(tmp_path.rglob("*" + SUFFIX))
-            assert len(files) == 4
+            assert len(files) == 5
             for f in files[:1]:
                 raw = bytearray(f.read_bytes())
                 raw[-10] ^= 0xFF
@@ -143,7 +174,7 @@ def test_a_corrupted_disk_chunk_is_recomputed_and_reported(tmp_path: Path) -> No
             llm.reset_prefix_cache()
             out = llm.generate([PROMPT], GREEDY)[0]
             # The bad chunk leaves the tier (BlockRemoved) and, recomputed, is stored again.
-            settle(llm, 6)
+            settle(llm, 7)
             assert out.outputs[0].token_ids == expected
             assert llm.scheduler.stats.num_recomputed_blocks > 0
             stats = llm.scheduler.connector_stats
@@ -156,7 +187,7 @@ def test_a_corrupted_disk_chunk_is_recomputed_and_reported(tmp_path: Path) -> No
                 and (e.medium, e.locality) == ("STORAGE", "LOCAL")
             ]
             sub.close()
-            assert disk == ["BlockStored"] * 4 + ["BlockRemoved", "BlockStored"]
+            assert disk == ["BlockStored"] * 5 + ["BlockRemoved", "BlockStored"]
             assert_no_leaks(llm)
 
 

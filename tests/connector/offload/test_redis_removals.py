@@ -44,6 +44,11 @@ pytestmark = pytest.mark.slow
 GREEDY = SamplingParams(max_tokens=2, ignore_eos=True)
 
 
+CHUNKS, ENTRIES = 4, 5
+"""What one prompt below stores: its 4 whole chunks, and in a local tier, once the request
+ends (151 tokens computed), a tail of one block (tokens 128-143) too."""
+
+
 def prompt(i: int) -> list[int]:
     """150 tokens: 4 whole chunks of 32."""
     return [random.Random(i).randrange(256) for _ in range(150)]
@@ -128,14 +133,14 @@ def test_every_eviction_is_announced_once_and_the_index_matches_redis(
     inst = Instance(tmp_path, {"kind": "redis", "url": server.url})
     try:
         inst.llm.generate([prompt(0)], GREEDY)
-        inst.until(lambda: inst.count(BlockStored, TIER_STORAGE_REMOTE) == 4)
+        inst.until(lambda: inst.count(BlockStored, TIER_STORAGE_REMOTE) == CHUNKS)
         chunk_bytes = max(len(client.get(k) or b"") for k in client.scan_iter(KEY_PREFIX + "*"))
         used = int(client.info("memory")["used_memory"])
         client.config_set("maxmemory", used + 6 * chunk_bytes)  # room for ~10 chunks
         client.config_set("maxmemory-policy", "allkeys-lru")
         for i in range(1, 8):
             inst.llm.generate([prompt(i)], GREEDY)
-        inst.until(lambda: inst.count(BlockStored, TIER_STORAGE_REMOTE) == 32)
+        inst.until(lambda: inst.count(BlockStored, TIER_STORAGE_REMOTE) == 8 * CHUNKS)
         evicted = int(client.info("stats")["evicted_keys"])
         assert evicted >= 10
         inst.until(lambda: len(inst.removed_chunks(TIER_STORAGE_REMOTE)) == evicted)
@@ -152,8 +157,8 @@ def test_expired_chunks_are_announced(tmp_path: Path, server: LocalRedis) -> Non
     inst = Instance(tmp_path, {"kind": "redis", "url": server.url, "ttl_s": 0.5})
     try:
         inst.llm.generate([prompt(0), prompt(1)], GREEDY)
-        inst.until(lambda: inst.count(BlockStored, TIER_STORAGE_REMOTE) == 8)
-        inst.until(lambda: len(inst.removed_chunks(TIER_STORAGE_REMOTE)) == 8)
+        inst.until(lambda: inst.count(BlockStored, TIER_STORAGE_REMOTE) == 2 * CHUNKS)
+        inst.until(lambda: len(inst.removed_chunks(TIER_STORAGE_REMOTE)) == 2 * CHUNKS)
         assert (
             redis_blocks(client)
             == set()
@@ -169,12 +174,12 @@ def test_a_restarted_redis_is_resynced_and_written_again(
     inst = Instance(tmp_path, {"kind": "redis", "url": server.url})
     try:
         inst.llm.generate([prompt(0)], GREEDY)
-        inst.until(lambda: inst.count(BlockStored, TIER_STORAGE_REMOTE) == 4)
+        inst.until(lambda: inst.count(BlockStored, TIER_STORAGE_REMOTE) == CHUNKS)
         resyncs = inst.watcher.num_resyncs
         server.stop()  # every key is gone with it (no persistence)
         restarted = LocalRedis(port=server.port)
         try:
-            inst.until(lambda: len(inst.removed_chunks(TIER_STORAGE_REMOTE)) == 4)
+            inst.until(lambda: len(inst.removed_chunks(TIER_STORAGE_REMOTE)) == CHUNKS)
             assert inst.watcher.num_resyncs > resyncs
             assert inst.index.blocks_of("i", MEDIUM_STORAGE, LOCALITY_REMOTE) == set()
             # Notifications are on again on the new server, and the workers write again
@@ -183,7 +188,7 @@ def test_a_restarted_redis_is_resynced_and_written_again(
             assert "e" in client.config_get("notify-keyspace-events")["notify-keyspace-events"]
             assert inst.llm.reset_prefix_cache()
             inst.llm.generate([prompt(0)], GREEDY)
-            inst.until(lambda: inst.count(BlockStored, TIER_STORAGE_REMOTE) == 8)
+            inst.until(lambda: inst.count(BlockStored, TIER_STORAGE_REMOTE) == 2 * CHUNKS)
             assert (
                 inst.index.blocks_of("i", MEDIUM_STORAGE, LOCALITY_REMOTE)
                 == redis_blocks(client)
@@ -220,7 +225,7 @@ def test_a_server_that_forbids_config_gets_a_clear_warning_and_preset_flags_work
     inst = Instance(tmp_path, {"kind": "redis", "url": url, "ttl_s": 0.3})
     try:
         inst.llm.generate([prompt(0)], GREEDY)
-        inst.until(lambda: len(inst.removed_chunks(TIER_STORAGE_REMOTE)) == 4)
+        inst.until(lambda: len(inst.removed_chunks(TIER_STORAGE_REMOTE)) == CHUNKS)
     finally:
         inst.close()
 
@@ -231,11 +236,11 @@ def test_a_connector_reset_removes_its_tiers_entries_and_leaves_the_gpu_ones(
     inst = Instance(tmp_path, {"kind": "cpu", "max_bytes": 1 << 24})
     try:
         inst.llm.generate([prompt(0)], GREEDY)
-        inst.until(lambda: inst.count(BlockStored, TIER_CPU) == 4)
+        inst.until(lambda: inst.count(BlockStored, TIER_CPU) == ENTRIES)
         gpu = inst.index.blocks_of("i", MEDIUM_GPU)
-        assert gpu and len(inst.index.blocks_of("i", MEDIUM_CPU)) == 4 * CHUNK // 16
+        assert gpu and len(inst.index.blocks_of("i", MEDIUM_CPU)) == (4 * CHUNK + 16) // 16
         assert inst.llm.reset_connector_cache()
-        inst.until(lambda: inst.count(BlockRemoved, TIER_CPU) == 4)
+        inst.until(lambda: inst.count(BlockRemoved, TIER_CPU) == ENTRIES)
         assert not any(isinstance(e, AllBlocksCleared) for e in inst.events)
         assert inst.index.blocks_of("i", MEDIUM_CPU) == set()
         assert inst.index.blocks_of("i", MEDIUM_GPU) == gpu

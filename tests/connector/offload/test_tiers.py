@@ -44,6 +44,21 @@ def test_cpu_tier_slots_lru_and_demotion_data() -> None:
         CpuTier(10, SHAPE, torch.float32)
 
 
+def test_a_cpu_slot_holds_a_tail_in_its_first_part_and_refuses_data_its_header_denies() -> None:
+    tier = CpuTier(1 << 16, SHAPE, torch.float32)
+    _, info, data = chunk(5)
+    tail = ChunkInfo(b"t" * 32, (50,), 4, (5,) * 4, 4)  # one block of 4 tokens
+    tier.put("m/1/0/t", tail, data[:, :, :4])
+    found = tier.load("m/1/0/t")
+    assert found is not None and found.info == tail and torch.equal(found.data, data[:, :, :4])
+    with pytest.raises(TierError, match="shape"):  # a whole chunk's data under a tail's header
+        tier.put("m/1/0/u", tail, data)
+    with pytest.raises(TierError, match="shape"):
+        tier.put("m/1/0/v", info, data[:, :, :4])
+    assert [k for k, _ in tier.entries()] == ["m/1/0/t"]
+    tier.check_integrity()  # no slot taken by the refused puts
+
+
 def test_pack_unpack_round_trip_and_checks() -> None:
     key, info, data = chunk(5)
     blob = b"".join(pack(key, info, data))

@@ -380,13 +380,18 @@ def mismatch(asked: ChunkInfo, found: StoredChunk, placement: TierPlacement) -> 
         return "its block hashes differ"
     if got.parent_block_hash != asked.parent_block_hash or got.block_size != asked.block_size:
         return "its parent hash or block size differs"
-    data = found.data
-    if tuple(data.shape) != placement.chunk_shape or data.dtype != placement.dtype:
+    data, shape = found.data, tail_shape(placement.chunk_shape, len(asked.token_ids))
+    if tuple(data.shape) != shape or data.dtype != placement.dtype:
         return (
             f"a {data.dtype} chunk of shape {tuple(data.shape)}, not this engine's "
-            f"{placement.dtype} {placement.chunk_shape}"
+            f"{placement.dtype} {shape}"
         )
     return None
+
+
+def tail_shape(chunk_shape: tuple[int, ...], num_tokens: int) -> tuple[int, ...]:
+    """The shape of a chunk of `num_tokens` (a whole chunk's, or a tail's: fewer blocks)."""
+    return (*chunk_shape[:2], num_tokens, *chunk_shape[3:])
 
 
 MIN_KEY_BYTES = 16

@@ -1,4 +1,5 @@
-"""Host-memory tier: a preallocated buffer cut into fixed-size slots, one chunk per slot, LRU.
+"""Host-memory tier: a preallocated buffer cut into fixed-size slots, one chunk per slot, LRU
+(a tail, a chunk of fewer blocks, fills the first part of its slot).
 
 A chunk under a lease (`leased(key)`, set by the worker: a decode instance will pull it,
 leases.py) is not evicted: the least recently used chunk not leased goes instead, and when
@@ -21,6 +22,7 @@ from kvconnect.connector.offload.tiers.base import (
     TierError,
     TierPlacement,
     TierTooSmall,
+    tail_shape,
 )
 
 
@@ -53,16 +55,23 @@ class CpuTier(Tier):
         if key in self._index:
             self._index.move_to_end(key)
             return []
+        shape = tail_shape(self.chunk_shape, len(info.token_ids))
+        if tuple(data.shape) != shape:
+            raise TierError(f"cpu tier: {key}: data of shape {tuple(data.shape)}, not {shape}")
         evicted = []
         if not self._free:
             old_key = self._victim()
             slot, old_info = self._index.pop(old_key)
-            evicted.append(Evicted(old_key, old_info, self._buffer[slot].clone()))
+            evicted.append(Evicted(old_key, old_info, self._view(slot, old_info).clone()))
             self._free.append(slot)
         slot = self._free.pop()
-        self._buffer[slot].copy_(data)
+        self._view(slot, info).copy_(data)
         self._index[key] = (slot, info)
         return evicted
+
+    def _view(self, slot: int, info: ChunkInfo) -> torch.Tensor:
+        """The part of `slot` that holds `info`'s tokens (a tail fills a slot's first part)."""
+        return self._buffer[slot, :, :, : len(info.token_ids)]
 
     def _victim(self) -> str:
         """The least recently used key not leased."""
@@ -77,7 +86,7 @@ class CpuTier(Tier):
         if entry is None:
             return None
         self._index.move_to_end(key)
-        return StoredChunk(entry[1], self._buffer[entry[0]])
+        return StoredChunk(entry[1], self._view(*entry))
 
     def remove(self, key: str) -> ChunkInfo | None:
         entry = self._index.pop(key, None)

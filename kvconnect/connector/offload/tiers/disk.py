@@ -47,6 +47,7 @@ from kvconnect.connector.offload.tiers.base import (
     pack,
     peek_key,
     read_mac_key,
+    tail_shape,
     unpack,
 )
 
@@ -154,13 +155,17 @@ class DiskTier(Tier):
         if f != self._path(key):
             raise TierError(f"holds {key}, which belongs in another file")
         info, data = unpack(blob, key, self.mac_key)
-        if self.chunk_shape is not None and (
-            tuple(data.shape) != self.chunk_shape or data.dtype != self.dtype
-        ):
-            raise TierError(
-                f"a {data.dtype} chunk of shape {tuple(data.shape)}, not the "
-                f"{self.dtype} {self.chunk_shape} of this engine"
-            )
+        if self.chunk_shape is not None:
+            shape = tail_shape(self.chunk_shape, len(info.token_ids))
+            if (
+                tuple(data.shape) != shape
+                or data.dtype != self.dtype
+                or (len(info.token_ids) > self.chunk_shape[2])
+            ):
+                raise TierError(
+                    f"a {data.dtype} chunk of shape {tuple(data.shape)}, not a "
+                    f"{self.dtype} {shape} of this engine (chunks {self.chunk_shape})"
+                )
         return key, info, len(blob)
 
     def contains(self, key: str) -> bool:
