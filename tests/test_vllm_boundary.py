@@ -197,7 +197,7 @@ def test_every_field_of_the_step_metadata_reaches_the_worker_in_the_engines_type
             Req("a", answered, {"do_remote_decode": True}), [0, 1, 2]
         )
         assert hold and params is not None
-        assert sched.get_num_new_matched_tokens(b, 0) == (CHUNK, True)
+        assert sched.get_num_new_matched_tokens(b, 0) == (CHUNK, False)  # cpu tier: sync
         sched.update_state_after_alloc(b, [7, 8, 9], CHUNK)
         assert sched.reset_cache()
         meta = roundtrip(sched.build_connector_meta(new_requests(("c", c))))
@@ -207,8 +207,8 @@ def test_every_field_of_the_step_metadata_reaches_the_worker_in_the_engines_type
         assert [(x.lease_id, x.last_block_hashes) for x in meta.leases] == [
             ("a", [block_hashes(a, BS)[1]])
         ]
-        assert [(s.request_id, s.block_ids, s.first_block) for s in meta.loads] == [
-            ("b", [[7, 8]], [0])
+        assert [(s.request_id, s.block_ids, s.first_block, s.sync) for s in meta.loads] == [
+            ("b", [[7, 8]], [0], True)
         ]
         assert [(s.chunk.last_block_hash, s.block_ids) for s in meta.saves] == [
             (block_hashes(answered, BS)[2], [2]),

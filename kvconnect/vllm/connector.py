@@ -15,9 +15,11 @@ translates vLLM's objects. What it adds for vLLM:
               vLLM's own GPU events; inside vLLM's MultiConnector they still arrive, as each
               child's metadata is routed back to it. `get_kv_connector_kv_cache_events` is
               not used.
-    loads     async: a request waits in WAITING_FOR_REMOTE_KVS while the workers' I/O threads
-              fill its blocks; a request that finishes (an abort) while its load runs keeps
-              its blocks until the load is done (`request_finished` -> True). A step's loads
+    loads     from the cpu tier alone, sync: done when vLLM binds the step's metadata,
+              before the forward that computes the request's rest. Others async: a request
+              waits in WAITING_FOR_REMOTE_KVS while the workers' I/O threads fill its
+              blocks; a request that finishes (an abort) while its load runs keeps its
+              blocks until the load is done (`request_finished` -> True). A step's loads
               start when vLLM binds the step's metadata, before the forward (vLLM calls
               `start_load_kv` for async loads only after it), so a load done during the
               forward is reported in that step's output and its request runs in the next.
@@ -129,8 +131,8 @@ class OffloadConnector(OffloadHalves, KVConnectorBase_V1):
         super().bind_connector_metadata(connector_metadata)
         if self.worker is not None:  # queued now: the I/O thread loads during the forward
             meta = self._meta()
-            self.worker.start_load_kv(meta)
-            self._inflight.update(load.request_id for load in meta.loads)
+            self.worker.start_load_kv(meta)  # returns once the sync loads are done
+            self._inflight.update(load.request_id for load in meta.loads if not load.sync)
             self._started = connector_metadata
 
     def start_load_kv(self, forward_context: Any = None, **kwargs: Any) -> None:
@@ -187,8 +189,7 @@ class OffloadConnector(OffloadHalves, KVConnectorBase_V1):
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         self._requests[request.request_id] = request
         block_ids = list(blocks.get_block_ids()[0])
-        self._sched().update_state_after_alloc(request, block_ids, num_external_tokens)
-        if num_external_tokens > 0:
+        if self._sched().update_state_after_alloc(request, block_ids, num_external_tokens):
             self._loading.add(request.request_id)
 
     def build_connector_meta(self, scheduler_output_: Any) -> KVConnectorMetadata:

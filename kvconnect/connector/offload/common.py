@@ -178,6 +178,12 @@ class OffloadConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Steps an event may wait for the other ranks before it is dropped (see EventQuorum)."""
     peer: PeerConfig | None = None
     """Serve local chunks to peers and pull from them per request (None: neither)."""
+    sync_cpu_loads: bool = True
+    """A load wholly from the cpu tier (host memory copies, a few ms) runs inside the step
+    that schedules its request, before the forward that computes the prompt's rest, as
+    LMCache loads by default. Otherwise (and always for disk, redis and peers) the load is
+    async: the request waits out of the batch (vLLM's WAITING_FOR_REMOTE_KVS) and runs a
+    step or two later, each step as long as the batch's forward."""
 
     def __post_init__(self) -> None:
         if self.chunk_size < self.block_size or self.chunk_size % self.block_size:
@@ -289,6 +295,9 @@ class LoadSpec:
     from_source: int = 0
     lease: str | None = None
     """P/D: the lease at `source` to release once pulled (its `remote_request_id`)."""
+    sync: bool = False
+    """Every chunk is in the cpu tier: the load runs before this step's forward, which
+    computes the request's rest (`OffloadConfig.sync_cpu_loads`); not reported finished."""
 
 
 @dataclass

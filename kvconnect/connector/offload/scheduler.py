@@ -59,6 +59,7 @@ from kvconnect.connector.offload.common import (
     chunk_key,
     key_namespace,
 )
+from kvconnect.connector.offload.kinds import TierKind
 from kvconnect.connector.offload.lookup import PrefixLookup
 from kvconnect.connector.offload.peer_source import Named, PeerSources
 from kvconnect.connector.offload.tiers import RemovalWatcher, TierPlacement, create_tier
@@ -104,6 +105,8 @@ class _Plan:
     """Blocks of chunk `num` loaded from a local tier's tail (0: none)."""
     source: Named | None
     from_source: int
+    sync: bool = False
+    """Every chunk is in the cpu tier: loaded before the step's forward (LoadSpec.sync)."""
 
 
 def warn_unsigned(tiers: tuple[TierConfig, ...]) -> None:
@@ -244,8 +247,23 @@ class OffloadScheduler:
         num_tokens = min(num * c + tail * self.context.block_size, limit)
         if num_tokens <= num_computed_tokens:
             return 0, False
-        self._plans[request.request_id] = _Plan(num_computed_tokens, num, tail, source, from_source)
-        return num_tokens - num_computed_tokens, True
+        plan = _Plan(num_computed_tokens, num, tail, source, from_source)
+        plan.sync = self.config.sync_cpu_loads and self._in_cpu(request, plan)
+        self._plans[request.request_id] = plan
+        return num_tokens - num_computed_tokens, not plan.sync
+
+    def _in_cpu(self, request: ConnectorRequest, plan: _Plan) -> bool:
+        """Whether the cpu tier holds every chunk `plan` loads (none from a shared tier or
+        a peer, none from disk)."""
+        if plan.source is not None and plan.from_source < plan.num:
+            return False
+        per, c = self.config.blocks_per_chunk, self.config.chunk_size
+        ends = [(i + 1) * per for i in range(plan.start // c, plan.num)]
+        ends += [plan.num * per + plan.tail] if plan.tail else []
+        return all(
+            TierKind.CPU.tier in self.held.get(self._wire(request.block_hashes[e - 1]), ())
+            for e in ends
+        )
 
     def _held_tail(self, request: ConnectorRequest, num: int, limit: int) -> int:
         """How many blocks of chunk `num` a local tier holds as a tail (the blocks a finished
@@ -291,16 +309,17 @@ class OffloadScheduler:
 
     def update_state_after_alloc(
         self, request: ConnectorRequest, block_ids: list[int], num_external_tokens: int
-    ) -> None:
+    ) -> bool:
+        """Plan the load into `block_ids`; whether it is async (the request then waits)."""
         plan = self._plans.pop(request.request_id, None)
         self._forget(request.request_id)
         if plan is None or num_external_tokens == 0:
-            return
+            return False
         start, num = plan.start, plan.num
         c, bs, per = self.config.chunk_size, self.context.block_size, self.config.blocks_per_chunk
         # The last chunk's blocks past the hit are not allocated to the load: fewer block ids.
         block_ids = block_ids[: min(num * c + plan.tail * bs, self._max_hit(request)) // bs]
-        spec = LoadSpec(request.request_id, [], [], [])
+        spec = LoadSpec(request.request_id, [], [], [], sync=plan.sync)
         if plan.source is not None and plan.from_source < num:
             spec.source, spec.from_source = plan.source.addr, max(0, plan.from_source - start // c)
             spec.lease = plan.source.lease
@@ -311,6 +330,7 @@ class OffloadScheduler:
             spec.block_ids.append(list(block_ids[i * per : (i + 1) * per]))
             spec.first_block.append(max(0, start - i * c) // bs)
         self._loads.append(spec)
+        return not spec.sync
 
     # -- saves and the step ---------------------------------------------------------------------
 

@@ -256,13 +256,19 @@ class OffloadWorker:
         self._unfenced.clear()
 
     def start_load_kv(self, meta: OffloadMetadata) -> None:
+        """Queue the step's loads for the I/O thread (first in its queue); return once the
+        sync ones are done (their blocks are computed in this step's forward)."""
         ready = self._ops().record(Stream.COMPUTE) if meta.loads else None
         self._lease(meta)
+        sync = {spec.request_id for spec in meta.loads if spec.sync}
         with self._cond:
             if meta.reset:
                 self._resets += 1
             self._loads.extend(LoadJob(spec, ready) for spec in meta.loads)
             self._cond.notify()
+            if sync:  # the I/O thread notifies as each load finishes
+                self._cond.wait_for(lambda: sync <= self._finished_loads)
+                self._finished_loads -= sync  # done in this step: not reported as async
 
     def _ops(self) -> DeviceOps:
         if self.device_ops is None:
