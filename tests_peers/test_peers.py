@@ -28,8 +28,11 @@ from tests_peers.support import BLOCK_SIZE, prompt
 
 pytestmark = pytest.mark.slow
 
-CPU_CREDIT = int(64 * VllmRouter.CREDIT["host"])
-DISK_CREDIT = int(64 * VllmRouter.CREDIT["disk"])
+# A local tier holds all 80: the 64-token chunk, and the tail the finished request saved (its
+# 5th block). Redis keeps whole chunks only: 64.
+CPU_CREDIT = int(80 * VllmRouter.CREDIT["host"])
+DISK_CREDIT = int(80 * VllmRouter.CREDIT["disk"])
+REDIS_CREDIT = int(64 * VllmRouter.CREDIT["disk"])  # vllm-router files STORAGE as disk
 GPU_80 = {"longest_matched": 80, "gpu": 80, "cpu": 80, "disk": 80}
 NOTHING = {"longest_matched": 0, "gpu": 0, "cpu": 0, "disk": 0}
 
@@ -143,7 +146,7 @@ def test_blocks_in_the_cpu_tier_get_host_credit_not_gpu_credit(lab: Lab) -> None
 
     lab.dynamo_caught_up()
     answer = lab.dynamo.query(p)
-    assert tiers(answer, c) == {"longest_matched": 64, "gpu": 0, "cpu": 64, "disk": 64}
+    assert tiers(answer, c) == {"longest_matched": 80, "gpu": 0, "cpu": 80, "disk": 80}
     assert answer["scores"] == {}
 
     lab.router.wait_applied(lab.c.url, seq)
@@ -162,7 +165,7 @@ def test_blocks_on_the_disk_tier_get_disk_credit_not_gpu_credit(lab: Lab) -> Non
     seq = evict(lab, lab.d, gpu.hashes)
 
     lab.dynamo_caught_up()
-    assert tiers(lab.dynamo.query(p), d) == {"longest_matched": 64, "gpu": 0, "cpu": 0, "disk": 64}
+    assert tiers(lab.dynamo.query(p), d) == {"longest_matched": 80, "gpu": 0, "cpu": 0, "disk": 80}
 
     lab.router.wait_applied(lab.d.url, seq)
     decision = lab.router.probe(p + tail("disk-tier"))
@@ -190,7 +193,7 @@ def test_blocks_in_a_redis_tier_get_tier_credit_not_gpu_credit(lab: Lab) -> None
     # vllm-router reads the medium and not the locality: STORAGE is its disk tier.
     lab.router.wait_applied(lab.r.url, seq)
     decision = lab.router.probe(p + tail("redis-tier"))
-    assert (decision.worker, decision.credited_prefix_tokens) == (lab.r.url, DISK_CREDIT)
+    assert (decision.worker, decision.credited_prefix_tokens) == (lab.r.url, REDIS_CREDIT)
 
 
 def test_the_tiers_are_announced_in_vllm_033s_vocabulary(lab: Lab) -> None:
