@@ -260,15 +260,18 @@ class OffloadWorker:
         sync ones are done (their blocks are computed in this step's forward)."""
         ready = self._ops().record(Stream.COMPUTE) if meta.loads else None
         self._lease(meta)
-        sync = {spec.request_id for spec in meta.loads if spec.sync}
+        sync = {spec.request_id: spec for spec in meta.loads if spec.sync}
         with self._cond:
             if meta.reset:
                 self._resets += 1
             self._loads.extend(LoadJob(spec, ready) for spec in meta.loads)
             self._cond.notify()
-            if sync:  # the I/O thread notifies as each load finishes
-                self._cond.wait_for(lambda: sync <= self._finished_loads)
-                self._finished_loads -= sync  # done in this step: not reported as async
+            if sync:  # the I/O thread notifies as each load finishes (or fails: then counted)
+                self._cond.wait_for(lambda: sync.keys() <= self._finished_loads or self._stop)
+                for rid, spec in sync.items():  # stopped first: the blocks are not loaded
+                    if rid not in self._finished_loads:
+                        self._load_errors.update(b for ids in spec.block_ids for b in ids)
+                self._finished_loads -= sync.keys()  # done in this step: not reported as async
 
     def _ops(self) -> DeviceOps:
         if self.device_ops is None:
