@@ -349,3 +349,37 @@ def test_runs_of_consecutive_blocks_and_gaps_move_as_one_index_copy_would(layout
         with pytest.raises(IndexError, match="outside the cache"):
             paged.scatter(bad, new[:, :, : 2 * BS])
     assert all(torch.equal(a, b) for a, b in zip(paged.layers, before, strict=True))
+
+
+def test_a_sync_load_is_done_when_start_load_kv_returns_and_is_never_reported() -> None:
+    """A load wholly from the cpu tier (LoadSpec.sync) fills its blocks before start_load_kv
+    returns (the step's forward computes the rest next) and is not an async finish; after
+    shutdown, one the I/O thread never ran returns at once as a load error."""
+    spec = SPECS["full_bf16"]
+    raw, views = allocate_like_vllm(LAYOUTS["BLNHC"], spec)
+    fill_known(views)
+    expected = [v.clone() for v in views]
+    paged = PagedKV.from_views(
+        {
+            f"l{i}": from_logical(f"l{i}", v, BLOCKS, spec.kv_width, "BLNHC")
+            for i, v in enumerate(views)
+        }
+    )
+    worker = make_worker()
+    worker.register_paged_kv(paged)
+    try:
+        worker.wait_for_save(OffloadMetadata(saves=[SaveSpec(info(1), [3, 7])]))
+        assert worker.drain()
+        raw.zero_()
+        load = LoadSpec("r", [info(1)], [[10, 1]], [0], sync=True)
+        worker.start_load_kv(OffloadMetadata(loads=[load]))  # no drain: done on return
+        check_moved(expected, views, [3, 7], [10, 1])
+        assert worker.get_finished() == (None, None)
+        assert worker.get_block_ids_with_load_errors() == set()
+    finally:
+        worker.shutdown()
+    worker.start_load_kv(
+        OffloadMetadata(loads=[LoadSpec("s", [info(1)], [[4, 5]], [0], sync=True)])
+    )
+    assert worker.get_block_ids_with_load_errors() == {4, 5}
+    assert worker.get_finished() == (None, None)
