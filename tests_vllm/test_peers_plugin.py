@@ -32,8 +32,9 @@ name "tiny"). vLLM on CPU needs block sizes that are multiples of 32: the peers 
 with block_size=32, and vLLM serves the model under the name "tiny" the helpers' requests use.
 
 Prompts are 160 token ids (5 blocks); the plugin stores whole chunks of 128 tokens (4 blocks)
-of them. vllm-router is asked about a prompt plus one more block (it credits only whole blocks
-before a prompt's last token); its tier credits are tests_peers' (host 0.5, disk 0.25).
+of them and, once the request ends, the tail of its 5th block: its tiers hold all 160.
+vllm-router is asked about a prompt plus one more block (it credits only whole blocks before a
+prompt's last token); its tier credits are tests_peers' (host 0.5, disk 0.25).
 """
 
 from __future__ import annotations
@@ -61,16 +62,16 @@ BLOCK, CHUNK = 32, 128
 PROMPT = 5 * BLOCK
 GPU_BLOCKS = 16  # 512 tokens: a few new prompts push one out
 MAX_MODEL_LEN = 384  # vLLM keeps a block of the 16 back: it admits at most 480
-CPU_CHUNKS = 6
+CPU_CHUNKS = 12  # a prompt takes two slots: its chunk and its tail
 CHUNK_BYTES = 30 * 2 * CHUNK * 3 * 64 * 4  # layers x (K, V) x tokens x KV heads x dim x fp32
 NAME = "v"  # the stream's name in Streams
 DYNAMO_ID = 1
 
-CPU_CREDIT = int(CHUNK * VllmRouter.CREDIT["host"])
-DISK_CREDIT = int(CHUNK * VllmRouter.CREDIT["disk"])
+CPU_CREDIT = int(PROMPT * VllmRouter.CREDIT["host"])
+DISK_CREDIT = int(PROMPT * VllmRouter.CREDIT["disk"])
 GPU_ALL = {"longest_matched": PROMPT, "gpu": PROMPT, "cpu": PROMPT, "disk": PROMPT}
-IN_CPU = {"longest_matched": CHUNK, "gpu": 0, "cpu": CHUNK, "disk": CHUNK}
-ON_DISK = {"longest_matched": CHUNK, "gpu": 0, "cpu": 0, "disk": CHUNK}
+IN_CPU = {"longest_matched": PROMPT, "gpu": 0, "cpu": PROMPT, "disk": PROMPT}
+ON_DISK = {"longest_matched": PROMPT, "gpu": 0, "cpu": 0, "disk": PROMPT}
 NOTHING = {"longest_matched": 0, "gpu": 0, "cpu": 0, "disk": 0}
 
 _floods = itertools.count()
@@ -318,9 +319,11 @@ def test_pushed_out_of_vllm_a_prompt_gets_host_credit_for_the_cpu_tier(world: Wo
     cpu = world.streams.stored(NAME, p[:CHUNK], medium="CPU")  # one whole chunk
     assert cpu.hashes == gpu.hashes[:4] and cpu.parent is None
     assert (cpu.event["block_size"], cpu.event.get("locality")) == (BLOCK, None)
+    tail_ = world.streams.stored(NAME, p[CHUNK:], medium="CPU")  # and the tail: block 5
+    assert tail_.hashes == gpu.hashes[4:] and tail_.parent == gpu.hashes[3]
 
     seq = world.push_out(gpu.hashes, "GPU")  # vLLM's BlockRemoved for all five
-    assert all(world.streams.held(NAME, "CPU")[h] == 1 for h in cpu.hashes)
+    assert all(world.streams.held(NAME, "CPU")[h] == 1 for h in gpu.hashes)
 
     world.dynamo_caught_up()
     answer = world.dynamo.query(p)
@@ -337,10 +340,12 @@ def test_demoted_to_disk_a_prompt_gets_disk_credit_and_loses_host_credit(world: 
     world.complete(p)
     gpu = world.streams.stored(NAME, p)
     cpu = world.streams.stored(NAME, p[:CHUNK], medium="CPU")
+    world.streams.stored(NAME, p[CHUNK:], medium="CPU")  # the tail
 
-    world.push_out(cpu.hashes, "CPU")  # the tier's BlockRemoved, then the disk's BlockStored
+    world.push_out(gpu.hashes, "CPU")  # the tier's BlockRemoved, then the disk's BlockStored
     disk = world.streams.stored(NAME, p[:CHUNK], medium="STORAGE", after=cpu.seq)
     assert disk.hashes == cpu.hashes and disk.event.get("locality") == "LOCAL"
+    world.streams.stored(NAME, p[CHUNK:], medium="STORAGE", after=cpu.seq)
     assert not any(world.streams.held(NAME, "GPU")[h] for h in gpu.hashes)
     seq = world.streams.last_seq(NAME)
 
