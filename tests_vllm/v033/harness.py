@@ -81,9 +81,13 @@ def transfer(extra: dict[str, Any], connector: str = "OffloadConnector") -> dict
 
 
 def cpu_tier(chunk_size: int = 32, max_chunks: int = 64) -> dict[str, Any]:
+    """A cpu tier whose hits load async, as disk, redis and peer hits always do: this suite
+    drives that path under vLLM 0.33's Scheduler (sync cpu loads run in vLLM 0.32's servers,
+    tests_vllm/test_offload.py and test_peer_pull.py)."""
     chunk_bytes = LAYERS * 2 * chunk_size * HEADS * DIM * 4
     return {
         "chunk_size": chunk_size,
+        "sync_cpu_loads": False,
         "tiers": [{"kind": "cpu", "max_bytes": max_chunks * chunk_bytes}],
     }
 
