@@ -184,7 +184,10 @@ def test_kernel_blocks_inside_a_block_keep_their_token_order(layout: str) -> Non
         worker.shutdown()
 
 
-def test_a_partial_load_leaves_the_computed_leading_block_alone() -> None:
+def bf16_blnhc_worker() -> tuple[
+    torch.Tensor, list[torch.Tensor], list[torch.Tensor], OffloadWorker
+]:
+    """A bf16 BLNHC cache filled with known values, a copy of them, and a worker on it."""
     spec = SPECS["full_bf16"]
     raw, views = allocate_like_vllm(LAYOUTS["BLNHC"], spec)
     fill_known(views)
@@ -197,6 +200,11 @@ def test_a_partial_load_leaves_the_computed_leading_block_alone() -> None:
     )
     worker = make_worker()
     worker.register_paged_kv(paged)
+    return raw, views, expected, worker
+
+
+def test_a_partial_load_leaves_the_computed_leading_block_alone() -> None:
+    raw, views, expected, worker = bf16_blnhc_worker()
     try:
         save_clear_load(worker, raw, [2, 4], [8, 9], first=1)
         check_moved(expected, views, [4], [9])
@@ -355,18 +363,7 @@ def test_a_sync_load_is_done_when_start_load_kv_returns_and_is_never_reported() 
     """A load wholly from the cpu tier (LoadSpec.sync) fills its blocks before start_load_kv
     returns (the step's forward computes the rest next) and is not an async finish; after
     shutdown, one the I/O thread never ran returns at once as a load error."""
-    spec = SPECS["full_bf16"]
-    raw, views = allocate_like_vllm(LAYOUTS["BLNHC"], spec)
-    fill_known(views)
-    expected = [v.clone() for v in views]
-    paged = PagedKV.from_views(
-        {
-            f"l{i}": from_logical(f"l{i}", v, BLOCKS, spec.kv_width, "BLNHC")
-            for i, v in enumerate(views)
-        }
-    )
-    worker = make_worker()
-    worker.register_paged_kv(paged)
+    raw, views, expected, worker = bf16_blnhc_worker()
     try:
         worker.wait_for_save(OffloadMetadata(saves=[SaveSpec(info(1), [3, 7])]))
         assert worker.drain()
