@@ -58,9 +58,16 @@ class Instance:
     """An engine with a connector, its event stream followed into a router's index."""
 
     def __init__(self, tmp: Path, *tiers: dict[str, Any]) -> None:
-        events = {"enable_kv_cache_events": True, "endpoint": f"ipc://{tmp}/ev", "bind": True}
+        events = {
+            "enable_kv_cache_events": True,
+            "endpoint": f"ipc://{tmp}/ev",
+            "replay_endpoint": f"ipc://{tmp}/replay",
+            "bind": True,
+        }
         self.llm = LLM("tiny", kv_transfer_config=offload(*tiers), kv_events_config=events)
-        self.sub = KVEventSubscriber(f"ipc://{tmp}/ev", start_seq=0)
+        # The replay endpoint repairs what a SUB that joins late misses (ZMQ's slow joiner):
+        # the tests compare every event ever published with what the tiers hold.
+        self.sub = KVEventSubscriber(f"ipc://{tmp}/ev", f"ipc://{tmp}/replay", start_seq=0)
         self.index = BlockIndex()
         self.events: list[KVCacheEvent] = []
 
