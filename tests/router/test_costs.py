@@ -1,0 +1,101 @@
+"""The router's cost model (router/costs.py): fits that recover an instance's prefill, decode
+and fixed times and a pair's pull cost from answers, follow an instance that changes, and
+stand in for nothing until measured."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from kvconnect.router.costs import PRIOR_PULL_RATIO, CostModel
+
+
+def answers(
+    model: CostModel,
+    rng: random.Random,
+    n: int,
+    fixed: float,
+    prefill: float,
+    decode: float,
+    name: str = "b",
+) -> None:
+    for _ in range(n):
+        computed, completion = rng.randrange(16, 4096), rng.randrange(1, 64)
+        noise = rng.uniform(-0.002, 0.002)
+        model.observe(
+            name, fixed + prefill * computed + decode * completion + noise, computed, completion
+        )
+
+
+def test_an_instances_costs_are_fitted_from_its_answers() -> None:
+    model = CostModel()
+    rng = random.Random(1)
+    assert model.instance("b") is None
+    answers(model, rng, 30, fixed=0.05, prefill=0.002, decode=0.01)
+    cost = model.instance("b")
+    assert cost is not None
+    assert cost.prefill_s_per_token == pytest.approx(0.002, rel=0.01)
+    assert cost.decode_s_per_token == pytest.approx(0.01, rel=0.05)
+    assert cost.fixed_s == pytest.approx(0.05, abs=0.005)
+
+
+def test_answers_of_one_length_identify_no_prefill_cost() -> None:
+    model = CostModel()
+    for _ in range(20):
+        model.observe("b", 0.5, 1000, 8)
+    assert model.instance("b") is None
+    assert model.pull_tokens("a", "b", 100) == PRIOR_PULL_RATIO * 100
+
+
+def test_a_pairs_pull_cost_is_what_pulled_answers_took_beyond_the_instances_fit() -> None:
+    model = CostModel()
+    rng = random.Random(2)
+    answers(model, rng, 30, fixed=0.05, prefill=0.002, decode=0.01)
+    assert model.pull_tokens("a", "b", 1000) == PRIOR_PULL_RATIO * 1000  # not measured yet
+    assert model.crossover("a", "b") is None
+    for _ in range(20):
+        computed, pulled = rng.randrange(16, 256), rng.randrange(256, 4096)
+        elapsed = 0.05 + 0.002 * computed + 0.01 * 8 + 0.03 + 0.0001 * pulled
+        model.observe("b", elapsed, computed, 8, source="a", pulled=pulled)
+    pull = model.pull("a", "b")
+    assert pull is not None
+    assert pull.s_per_token == pytest.approx(0.0001, rel=0.05)
+    assert pull.fixed_s == pytest.approx(0.03, abs=0.005)
+    # 1000 pulled tokens take 0.13 s: 65 tokens of b's prefill
+    assert model.pull_tokens("a", "b", 1000) == pytest.approx(65, rel=0.05)
+    assert model.crossover("a", "b") == pytest.approx(0.03 / 0.0019, rel=0.05)
+    assert model.pull("b", "a") is None  # a pair is directed
+
+
+def test_a_pull_that_never_pays_has_no_crossover() -> None:
+    model = CostModel()
+    rng = random.Random(3)
+    answers(model, rng, 30, fixed=0.05, prefill=0.001, decode=0.01)
+    for _ in range(10):
+        pulled = rng.randrange(256, 4096)
+        model.observe("b", 0.05 + 0.08 + 0.01 + 0.002 * pulled, 0, 8, source="a", pulled=pulled)
+    assert model.crossover("a", "b") == math.inf
+    assert model.pull_tokens("a", "b", 1000) > 1000
+
+
+def test_the_fit_follows_an_instance_that_slows_down() -> None:
+    model = CostModel()
+    rng = random.Random(4)
+    answers(model, rng, 50, fixed=0.05, prefill=0.001, decode=0.01)
+    answers(model, rng, 200, fixed=0.05, prefill=0.004, decode=0.01)
+    cost = model.instance("b")
+    assert cost is not None and cost.prefill_s_per_token == pytest.approx(0.004, rel=0.02)
+
+
+def test_answers_that_measure_nothing_are_ignored() -> None:
+    model = CostModel()
+    rng = random.Random(5)
+    answers(model, rng, 30, fixed=0.05, prefill=0.002, decode=0.01)
+    before = model.instance("b")
+    for bad in (math.nan, math.inf, -1.0):
+        model.observe("b", bad, 100, 1)
+    model.observe("b", 1.0, -5, 1)
+    model.observe("b", 1.0, 100, 1, source="a", pulled=0)  # a pull that moved nothing
+    assert model.instance("b") == before and model.pull("a", "b") is None
