@@ -8,15 +8,20 @@ STORAGE/LOCAL 0.5, STORAGE/REMOTE 0.3 by default): roughly the prefill it saves.
 is how many tokens of prefill one request already in flight is worth (default 64). The lowest
 cost wins; ties go to the less loaded instance, then to the one holding fewer blocks (cold
 tenants spread over the instances' caches), then by rendezvous hashing of the request's
-`spread_key` (its first tokens) with each instance's name. Nothing in the choice depends on
-a replica's own history, so router replicas that follow the same streams decide alike. With
-nothing cached anywhere this is least-loaded routing.
+`spread_key` (its first tokens) with each instance's name. With nothing cached anywhere this
+is least-loaded routing.
+
+Where instances serve each other's prefixes (the peer tier, `remote_kv_source`), a candidate
+may also pull what another holds beyond its own prefix (`choose`'s `sources`); the pull's
+cost is learned from answers (costs.py). Without sources the choice depends on nothing but
+the index and the loads, so router replicas that follow the same streams decide alike; with
+them, on each replica's fits too, which agree once both have seen answers.
 """
 
 from __future__ import annotations
 
 from array import array
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import xxhash
@@ -31,6 +36,13 @@ class Decision:
     instance: str
     cost: float
     score: PrefixScore
+    source: str | None = None
+    """An instance to pull the prefix from (`remote_kv_source`): it holds more of it."""
+
+
+PullTokens = Callable[[str, str, int], float]
+"""(source, instance, tokens): what pulling `tokens` from source costs instance, in prompt
+tokens it would compute meanwhile (`costs.CostModel.pull_tokens`)."""
 
 
 def choose(
@@ -41,21 +53,50 @@ def choose(
     load_weight: float = DEFAULT_LOAD_WEIGHT,
     spread_key: int = 0,
     num_blocks: Mapping[str, int] | None = None,
+    sources: Sequence[str] = (),
+    pull_tokens: PullTokens | None = None,
 ) -> Decision:
-    """The cheapest of `candidates` (non-empty) for a request of `num_tokens` prompt tokens."""
+    """The cheapest of `candidates` (non-empty) for a request of `num_tokens` prompt tokens.
+    With `sources` (instances that serve pulls) and `pull_tokens`, each candidate may also
+    pull the prefix a source holds beyond its own:
+
+        cost(i, j) = (prompt_tokens - held(j)) + (held(i) - weighted_hit_tokens(i))
+                     + pull_tokens(j, i, held(j) - held(i)) + load_weight * in_flight(i)
+
+    the prompt past j's prefix computed, i's own hit as usual, the difference pulled. At
+    equal cost, no pull."""
     if not candidates:
         raise ValueError("no instance to route to")
-    best: tuple[float, int, int, int, int] | None = None
+    best: tuple[float, int, int, int, int, int] | None = None
     sizes = num_blocks or {}
     decision: Decision | None = None
+    empty = PrefixScore()
     for order, name in enumerate(candidates):
-        score = scores.get(name) or PrefixScore()
+        score = scores.get(name) or empty
         load = loads.get(name, 0)
-        cost = (num_tokens - score.weighted_tokens) + load_weight * load
+        on_load = load_weight * load
         spread = -xxhash.xxh3_64_intdigest(name.encode(), seed=spread_key & (2**64 - 1))
-        key = (round(cost, 9), load, sizes.get(name, 0), spread, order)
+        tie = (load, sizes.get(name, 0), spread, order)
+        cost = (num_tokens - score.weighted_tokens) + on_load
+        key = (round(cost, 9), 0, *tie)
         if best is None or key < best:
             best, decision = key, Decision(name, cost, score)
+        if pull_tokens is None:
+            continue
+        own = score.num_tokens
+        for source in sources:
+            held = (scores.get(source) or empty).num_tokens
+            if source == name or held <= own:
+                continue
+            cost = (
+                (num_tokens - held)
+                + (own - score.weighted_tokens)
+                + pull_tokens(source, name, held - own)
+                + on_load
+            )
+            key = (round(cost, 9), 1, *tie)
+            if key < best:
+                best, decision = key, Decision(name, cost, score, source)
     assert decision is not None
     return decision
 

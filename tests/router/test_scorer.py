@@ -1,3 +1,6 @@
+import random
+from collections.abc import Callable
+
 import pytest
 
 from kvconnect.router.index import PrefixScore
@@ -68,3 +71,50 @@ def test_instances_with_different_block_sizes_compare_in_tokens() -> None:
 def test_no_candidates() -> None:
     with pytest.raises(ValueError, match="no instance"):
         choose([], {}, {}, 1)
+
+
+def flat(ratio: float) -> Callable[[str, str, int], float]:
+    """A pull that costs `ratio` computed tokens per pulled one, whoever the pair."""
+    return lambda _source, _instance, n: ratio * n
+
+
+def test_a_loaded_holder_lends_its_prefix_to_an_idle_instance() -> None:
+    """A holds 10 of 12 blocks and has 2 requests in flight: B computes 2 blocks and pulls
+    10 (at a quarter of a computed token each) for 32 + 40 = 72 tokens, against A's
+    32 + 128 = 160."""
+    d = choose([A, B], {A: s(10)}, {A: 2}, PROMPT, sources=[A, B], pull_tokens=flat(0.25))
+    assert (d.instance, d.source) == (B, A) and d.cost == pytest.approx(2 * BS + 40)
+    idle = choose([A, B], {A: s(10)}, {}, PROMPT, sources=[A, B], pull_tokens=flat(0.25))
+    assert (idle.instance, idle.source) == (A, None)  # unloaded, the holder runs it
+
+
+def test_a_pull_that_costs_as_much_as_computing_is_not_made() -> None:
+    d = choose([A, B], {A: s(10)}, {A: 5}, PROMPT, sources=[A], pull_tokens=flat(1.0))
+    assert d.instance == B and d.source is None  # equal cost: computed, no pull
+
+
+def test_a_candidate_pulls_only_what_the_source_holds_beyond_its_own() -> None:
+    pulled: list[int] = []
+
+    def cost(source: str, instance: str, n: int) -> float:
+        pulled.append(n)
+        return 0.1 * n
+
+    d = choose([B], {A: s(10), B: s(4)}, {}, PROMPT, sources=[A], pull_tokens=cost)
+    assert pulled == [6 * BS] and (d.instance, d.source) == (B, A)
+    assert d.cost == pytest.approx(2 * BS + 0.1 * 6 * BS)
+
+
+def test_without_sources_the_choice_is_todays() -> None:
+    rng = random.Random(3)
+    for _ in range(300):
+        names = [A, B, C]
+        scores = {n: s(rng.randrange(13)) for n in names if rng.random() < 0.7}
+        loads = {n: rng.randrange(4) for n in names}
+        key = rng.randrange(1 << 30)
+        today = choose(names, scores, loads, PROMPT, spread_key=key)
+        no_sources = choose(
+            names, scores, loads, PROMPT, spread_key=key, sources=[], pull_tokens=flat(0.25)
+        )
+        no_cost = choose(names, scores, loads, PROMPT, spread_key=key, sources=names)
+        assert no_sources == today and no_cost == today
