@@ -197,8 +197,9 @@ def _router_flags(commands: Commands, common: Parser) -> None:
         "--instance",
         action="append",
         default=[],
-        help="URL,EVENTS_ENDPOINT[,REPLAY_ENDPOINT]; repeat per instance. The URL is http:// "
-        "(port 80 when it gives none); https:// is refused: TLS to instances is not supported yet",
+        help="URL,EVENTS_ENDPOINT[,REPLAY_ENDPOINT][,peer=HOST:PORT]; repeat per instance. The "
+        "URL is http:// (port 80 when it gives none); https:// is refused: TLS to instances is "
+        "not supported yet. peer=: where the instance's peer tier serves (others may pull from it)",
     )
     r.add_argument(
         "--decode-instance",
@@ -227,6 +228,11 @@ def _router_flags(commands: Commands, common: Parser) -> None:
     r.add_argument("--block-size", type=positive_int, default=16, help="until events tell")
     r.add_argument("--hash-algorithm", default="sha256", help="until events tell")
     r.add_argument("--hash-seed", help="block hash seed (default: vLLM's rule)")
+    r.add_argument(
+        "--no-pulls",
+        action="store_true",
+        help="never send remote_kv_source: each instance computes what it lacks",
+    )
     r.add_argument(
         "--load-weight",
         type=float,

@@ -153,8 +153,12 @@ def serve_port(num_instances: int = 1) -> int:
 class Serve(Process):
     """`kvconnect serve --model tiny` with KV events on (addresses derived from its port)."""
 
-    def __init__(self, tmp: Path, *extra: str, model: str = "tiny") -> None:
-        self.tmp, self.extra, self.model = tmp, extra, model
+    def __init__(
+        self, tmp: Path, *extra: str, model: str = "tiny", peer_port: int | None = None
+    ) -> None:
+        """`peer_port`: the port its peer tier serves on (in `extra`'s connector config),
+        named to the router (`instance`)."""
+        self.tmp, self.extra, self.model, self.peer_port = tmp, extra, model, peer_port
         self.new_ports()
         super().__init__(self.args, self.log)
 
@@ -179,7 +183,8 @@ class Serve(Process):
     @property
     def instance(self) -> str:
         """This instance as `kvconnect router --instance` takes it."""
-        return f"{self.url},tcp://127.0.0.1:{self.port + 10000},tcp://127.0.0.1:{self.port + 20000}"
+        spec = f"{self.url},tcp://127.0.0.1:{self.port + 10000},tcp://127.0.0.1:{self.port + 20000}"
+        return spec if self.peer_port is None else f"{spec},peer=127.0.0.1:{self.peer_port}"
 
 
 class RouterProcess(Process):

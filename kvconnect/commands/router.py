@@ -71,7 +71,9 @@ def run_router_command(args: argparse.Namespace) -> int:
         tier_weights=weights,
     )
     curve = curve_from_env(os.environ)  # as `events tail`: both key files, or neither
-    router = Router(instances, index, tokenizer, args.load_weight, curve, prefill).start()
+    router = Router(
+        instances, index, tokenizer, args.load_weight, curve, prefill, pulls=not args.no_pulls
+    ).start()
     gc.freeze()  # what start-up made lives as long as the process: no collection walks it again
     return run_event_loop(serve_router(router, args.host, args.port, options))
 

@@ -19,12 +19,14 @@ import logging
 import threading
 from collections import Counter
 from dataclasses import dataclass
+from typing import NamedTuple
 from urllib.parse import urlsplit
 
 import msgspec
 
 from kvconnect.api.protocol import ApiError, ChatCompletionRequest, CompletionRequest
 from kvconnect.model.tokenizer import ChatTemplateError, Tokenizer
+from kvconnect.router.costs import CostModel
 from kvconnect.router.health import HealthChecker
 from kvconnect.router.index import BlockIndex, PrefixScore
 from kvconnect.router.scorer import DEFAULT_LOAD_WEIGHT, choose, spread_key
@@ -46,8 +48,19 @@ class _Answer(msgspec.Struct):
     usage: _Usage | None = None
 
 
+class _Counts(msgspec.Struct):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    prompt_tokens_details: _Details | None = None
+
+
+class _Measured(msgspec.Struct):
+    usage: _Counts | None = None
+
+
 _USAGE = msgspec.json.Decoder(_Answer)
 """An answer's usage alone (the rest of the body is skipped in C)."""
+_COUNTS = msgspec.json.Decoder(_Measured)
 
 HTTP_DEFAULT_PORT = 80
 """An instance URL without a port means this one (`Instance.port`)."""
@@ -64,6 +77,9 @@ class Instance:
     url: str
     events_endpoint: str
     replay_endpoint: str | None = None
+    peer: tuple[str, int] | None = None
+    """Where its peer tier serves (host, rank 0's port): other instances may pull from it
+    (`remote_kv_source`)."""
 
     @property
     def name(self) -> str:
@@ -76,19 +92,45 @@ class Instance:
 
     @classmethod
     def parse(cls, spec: str) -> Instance:
-        """`URL,EVENTS_ENDPOINT[,REPLAY_ENDPOINT]`, the URL an http:// one (`check_url`)."""
+        """`URL,EVENTS_ENDPOINT[,REPLAY_ENDPOINT][,peer=HOST:PORT]`, the URL an http:// one
+        (`check_url`)."""
         parts = spec.split(",")
+        peer = None
+        if len(parts) > 2 and parts[-1].startswith("peer="):
+            peer = parse_peer(spec, parts.pop().removeprefix("peer="))
         if (
             len(parts) not in (2, 3)
             or "://" not in parts[0]
             or not all(p.startswith(("tcp://", "ipc://", "inproc://")) for p in parts[1:])
         ):
             raise ValueError(
-                f"--instance {spec!r}: expected URL,EVENTS_ENDPOINT[,REPLAY_ENDPOINT] "
-                "(e.g. http://127.0.0.1:8001,tcp://127.0.0.1:18001,tcp://127.0.0.1:28001)"
+                f"--instance {spec!r}: expected URL,EVENTS_ENDPOINT[,REPLAY_ENDPOINT]"
+                "[,peer=HOST:PORT] (e.g. http://127.0.0.1:8001,tcp://127.0.0.1:18001,"
+                "tcp://127.0.0.1:28001,peer=127.0.0.1:7100)"
             )
         check_url(parts[0])
-        return cls(parts[0].rstrip("/"), parts[1], parts[2] if len(parts) == 3 else None)
+        return cls(parts[0].rstrip("/"), parts[1], parts[2] if len(parts) == 3 else None, peer)
+
+
+def parse_peer(spec: str, addr: str) -> tuple[str, int]:
+    """`HOST:PORT` of an instance's peer tier; `ValueError` naming `spec` if it is not one."""
+    host, sep, port = addr.rpartition(":")
+    host = host.removeprefix("[").removesuffix("]")
+    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ValueError(
+            f"--instance {spec!r}: peer={addr!r} is not HOST:PORT (the port its peer tier "
+            "serves on, 1-65535)"
+        )
+    return host, int(port)
+
+
+class Picked(NamedTuple):
+    """Where a request goes, what the index credits it with there, and the instance to
+    pull its prefix from (None: none; the instance computes what it lacks)."""
+
+    instance: Instance
+    score: PrefixScore
+    source: Instance | None = None
 
 
 def check_url(url: str) -> None:
@@ -120,10 +162,12 @@ class Router:
         load_weight: float = DEFAULT_LOAD_WEIGHT,
         curve: CurveClientKeys | None = None,
         prefill_instances: list[Instance] | None = None,
+        pulls: bool = True,
     ) -> None:
         """`prefill_instances`: P/D (router/pd.py): these only prefill, for `instances`,
         which decode. Every instance's events feed the index and every one is health
-        checked."""
+        checked. `pulls`: a request may be sent with `remote_kv_source` naming an instance
+        with a peer tier (`Instance.peer`) that holds more of its prefix (scorer.py)."""
         if not instances:
             raise ValueError("the router needs at least one --instance (or --decode-instance)")
         self.prefill_names = {i.name for i in prefill_instances or []}
@@ -139,6 +183,10 @@ class Router:
         self.decisions: Counter[str] = Counter()
         self.hit_blocks: Counter[str] = Counter()
         self.failures: Counter[str] = Counter()
+        self.pulls = pulls
+        self.costs = CostModel()
+        self.pulls_sent: Counter[tuple[str, str]] = Counter()
+        """Requests sent with `remote_kv_source`, per (source, instance)."""
         self.pd: Counter[str] = Counter()
         """P/D outcomes: disaggregated, local, prefill_failed, no_prefill_instance."""
         self._by_name = {i.name: i for i in instances}
@@ -191,9 +239,9 @@ class Router:
 
     def pick(
         self, token_ids: list[int], exclude: set[str], cache_salt: str | None = None
-    ) -> tuple[Instance, PrefixScore] | None:
+    ) -> Picked | None:
         """The instance in rotation (and not in `exclude`) to send the request to (to decode
-        it, in P/D)."""
+        it, in P/D), and the one to pull its prefix from, if pulling wins."""
         names = [
             i.name
             for i in self.instances
@@ -201,18 +249,25 @@ class Router:
             and i.name not in self.prefill_names
             and self.health.is_up(i.name)
         ]
-        return self._choose(names, token_ids, cache_salt)
+        sources = [
+            i.name
+            for i in self.instances
+            if self.pulls and i.peer is not None and self.health.is_up(i.name)
+        ]
+        return self._choose(names, token_ids, cache_salt, sources)
 
-    def pick_prefill(
-        self, token_ids: list[int], cache_salt: str | None = None
-    ) -> tuple[Instance, PrefixScore] | None:
+    def pick_prefill(self, token_ids: list[int], cache_salt: str | None = None) -> Picked | None:
         """P/D: the prefill instance in rotation for the request, by prefix and load."""
         names = [n for n in self.prefill_names if self.health.is_up(n)]
         return self._choose(sorted(names), token_ids, cache_salt)
 
     def _choose(
-        self, names: list[str], token_ids: list[int], cache_salt: str | None
-    ) -> tuple[Instance, PrefixScore] | None:
+        self,
+        names: list[str],
+        token_ids: list[int],
+        cache_salt: str | None,
+        sources: list[str] | None = None,
+    ) -> Picked | None:
         if not names:
             return None
         with self.lock:  # one state for both
@@ -226,18 +281,45 @@ class Router:
             self.load_weight,
             spread_key(token_ids),
             num_blocks,
+            sources or (),
+            self.costs.pull_tokens if sources else None,
         )
-        return self._by_name[decision.instance], decision.score
+        source = self._by_name[decision.source] if decision.source else None
+        return Picked(self._by_name[decision.instance], decision.score, source)
 
     def mark_down(self, name: str, reason: str) -> None:
         self.health.mark(name, False, reason)
         self.failures[name] += 1
 
-    def record(self, name: str, score: PrefixScore) -> None:
-        """A request went to `name` with `score` of its prefix cached there."""
+    def record(self, name: str, score: PrefixScore, source: str | None = None) -> None:
+        """A request went to `name` with `score` of its prefix cached there (and `source`
+        named to pull more of it from)."""
         self.decisions[name] += 1
+        if source is not None:
+            self.pulls_sent[source, name] += 1
         for tier, n in score.blocks_per_tier.items():
             self.hit_blocks[tier] += n
+
+    def learn(
+        self,
+        name: str,
+        score: PrefixScore,
+        source: str | None,
+        elapsed_s: float,
+        body: bytes,
+    ) -> None:
+        """A whole answer from `name` (sent with `source` to pull from), `elapsed_s` after
+        the request left: one measurement of its costs (costs.py), when it says its usage."""
+        try:
+            usage = _COUNTS.decode(body).usage
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            return
+        if usage is None or usage.prompt_tokens_details is None:
+            return
+        cached = usage.prompt_tokens_details.cached_tokens or 0
+        computed = max(0, usage.prompt_tokens - cached)
+        pulled = max(0, cached - score.num_tokens) if source else 0
+        self.costs.observe(name, elapsed_s, computed, usage.completion_tokens, source, pulled)
 
     def prompt_tokens(self, req: CompletionRequest | ChatCompletionRequest) -> list[int]:
         """The tokens the engines will see first: a chat rendered with the chat template, or

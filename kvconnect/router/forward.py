@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections.abc import AsyncIterator
 
 from kvconnect.http.client import (
@@ -52,16 +53,21 @@ async def forward(
     score: PrefixScore,
     check: StaleCheck | None = None,
     authorization: str | None = None,
+    source: str | None = None,
+    learn: bool = True,
 ) -> Response:
     """Relay one request and its answer; a whole JSON answer's usage is checked against the
-    index (`Router.check_cached`). `authorization` goes to the instance as that header."""
+    index (`Router.check_cached`) and, with `learn`, measures the instance's costs (and the
+    pull's, from `source`: `Router.learn`). `authorization` goes to the instance as that
+    header."""
+    start = time.perf_counter()
     try:
         upstream = await pool.post(instance.url, request.path, raw, authorization=authorization)
     except UpstreamTimeout as e:
         return _timed_out(router, instance, e)
     streamed = False
     try:
-        router.record(instance.name, score)
+        router.record(instance.name, score, source)
         content_type = upstream.headers.get("content-type", "application/json")
         headers = {"x-kvconnect-instance": instance.name}
         retry_after = upstream.headers.get("retry-after")
@@ -83,6 +89,8 @@ async def forward(
                 and b'"prompt_tokens_details"' in body  # absent: the instance does not say
             ):
                 router.check_cached(instance.name, score, check, body)
+            if learn and upstream.status == 200 and b'"prompt_tokens_details"' in body:
+                router.learn(instance.name, score, source, time.perf_counter() - start, body)
             return Response(upstream.status, body, content_type, headers)
         streamed = True
         stream = _relay_stream(upstream, instance, router)

@@ -43,6 +43,42 @@ class RouterMetrics(Collector):
     def collect(self) -> Iterator[Metric]:
         yield from self._index_metrics()
         yield from self._instance_metrics()
+        yield from self._cost_metrics()
+
+    def _cost_metrics(self) -> Iterator[Metric]:
+        """The costs learned from answers (costs.py): the scorer's inputs, as they stand."""
+        r = self.router
+        own, pulls = r.costs.snapshot()
+        G = GaugeMetricFamily
+        for name, doc, attr in (
+            ("prefill_seconds_per_token", "Fitted prefill time per computed prompt token.",
+             "prefill_s_per_token"),
+            ("decode_seconds_per_token", "Fitted time per generated token.",
+             "decode_s_per_token"),
+            ("fixed_seconds", "Fitted time of a request beyond its tokens.", "fixed_s"),
+        ):  # fmt: skip
+            yield _labelled(G, name, doc, "instance", {n: getattr(c, attr) for n, c in own.items()})
+        pair = ["source", "instance"]
+        per_token = G(PREFIX + "pull_seconds_per_token", "Fitted pull time per token.", labels=pair)
+        fixed = G(PREFIX + "pull_fixed_seconds", "Fitted time of a pull beyond its tokens.",
+                  labels=pair)  # fmt: skip
+        crossover = G(
+            PREFIX + "pull_crossover_tokens",
+            "Pulled tokens below which the instance computes faster than it pulls.",
+            labels=pair,
+        )
+        for (source, dest), cost in sorted(pulls.items()):
+            per_token.add_metric([source, dest], cost.s_per_token)
+            fixed.add_metric([source, dest], cost.fixed_s)
+            cross = r.costs.crossover(source, dest)
+            if cross is not None:
+                crossover.add_metric([source, dest], cross)
+        sent = CounterMetricFamily(
+            PREFIX + "pulls", "Requests sent with remote_kv_source.", labels=pair
+        )
+        for (source, dest), n in sorted(r.pulls_sent.items()):
+            sent.add_metric([source, dest], n)
+        yield from (per_token, fixed, crossover, sent)
 
     def _index_metrics(self) -> Iterator[Metric]:
         r = self.router

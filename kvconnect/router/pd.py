@@ -68,6 +68,14 @@ def decode_body(raw: bytes, params: dict[str, Any]) -> bytes:
     return _encode(body)
 
 
+def with_source(raw: bytes, source: Instance) -> bytes:
+    """The client's request with `remote_kv_source` naming `source`'s peer tier: the
+    instance pulls the prefix `source` holds beyond its own (scorer.py)."""
+    assert source.peer is not None
+    host, port = source.peer
+    return decode_body(raw, {"remote_kv_source": {"host": host, "port": port}})
+
+
 async def prefilled(
     router: Router,
     pool: UpstreamPool,
@@ -89,7 +97,7 @@ async def prefilled(
     if picked is None:
         router.pd["no_prefill_instance"] += 1
         return None
-    prefill, score = picked
+    prefill, score, _ = picked
     router.record(prefill.name, score)
     params = await _run_prefill(router, pool, prefill, path, raw, authorization)
     if params is None:

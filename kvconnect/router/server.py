@@ -69,7 +69,7 @@ from kvconnect.http.limits import ConnectionLimits
 from kvconnect.router.core import Router, stale_check
 from kvconnect.router.forward import forward
 from kvconnect.router.metrics import RouterMetrics
-from kvconnect.router.pd import prefilled
+from kvconnect.router.pd import prefilled, with_source
 
 logger = logging.getLogger(__name__)
 
@@ -213,7 +213,7 @@ class RouterServer:
             picked = router.pick(token_ids, tried, req.cache_salt)
             if picked is None:
                 return _none_answered(failed) if failed else _none_in_rotation()
-            instance, score = picked
+            instance, score, source = picked
             tried.add(instance.name)
             http.instance = instance.name
             in_flight = router.in_flight
@@ -232,17 +232,25 @@ class RouterServer:
                         authorization,
                         req.cache_salt,
                     )
-                # D counts what it pulled (or, vLLM, P's hits), not what its index entry says
-                check = None if with_params else stale_check(req, token_ids)
+                body = with_params
+                if body is None and source is not None and req.kv_transfer_params is None:
+                    body = with_source(http.body, source)  # the client's own params win
+                else:
+                    source = None
+                # D counts what it pulled (or, vLLM, P's hits), not what its index entry says;
+                # an instance that pulled, what it pulled too
+                check = None if with_params or source else stale_check(req, token_ids)
                 response = await forward(
                     http,
                     self.pool,
                     instance,
-                    with_params or http.body,
+                    body or http.body,
                     router,
                     score,
                     check,
                     authorization,
+                    source.name if source else None,
+                    learn=with_params is None,
                 )
             except BaseException as e:
                 in_flight[instance.name] -= 1

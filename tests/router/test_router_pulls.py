@@ -1,0 +1,179 @@
+"""Placement with pulls (issue 33, item 1): a `kvconnect router` process in front of two
+`kvconnect serve` processes with peer tiers, each named to the router with `peer=`.
+
+    a prompt's first request              goes to one instance, H, which stores its chunks
+    H busy with a long request            the same prompt goes to the idle instance, O, with
+                                          remote_kv_source H: O pulls H's 4 chunks
+                                          (cached_tokens 128) and answers as H did
+    answers of several lengths            the router fits each instance's prefill time and
+                                          the pull's, and shows them on /metrics
+    --no-pulls                            the same state: H runs it (as before pulls)
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import free_port, wait_for
+from tests.serving import RouterProcess, Serve, get, post
+
+pytestmark = pytest.mark.slow
+
+
+def config(peer_port: int) -> str:
+    return json.dumps(
+        {
+            "kv_connector": "OffloadConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {
+                "chunk_size": 32,
+                "tiers": [{"kind": "cpu", "max_bytes": 1 << 27}],
+                "peer": {"port": peer_port, "timeout_s": 2.0},
+            },
+        }
+    )
+
+
+def prompt(seed: int, n: int = 150) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(256) for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, list[Serve]]]:
+    tmp = tmp_path_factory.mktemp("pulls")
+    servers = []
+    for _ in range(2):
+        port = free_port()
+        details = "--enable-prompt-tokens-details"
+        servers.append(Serve(tmp, "--kv-transfer-config", config(port), details, peer_port=port))
+    try:
+        for s in servers:
+            s.start()
+        yield tmp, servers
+    finally:
+        for s in servers:
+            if s.proc is not None:
+                assert s.stop() == 0, s.logs()
+
+
+@pytest.fixture
+def router(
+    pair: tuple[Path, list[Serve]], request: pytest.FixtureRequest
+) -> Iterator[RouterProcess]:
+    tmp, servers = pair
+    r = RouterProcess(tmp, servers, *getattr(request, "param", ()))
+    r.start()
+    try:
+        yield r
+    finally:
+        r.stop()
+
+
+def complete(url: str, tokens: list[int], max_tokens: int = 8) -> tuple[str, int, str]:
+    status, body, headers = post(
+        url + "/v1/completions",
+        {"model": "tiny", "prompt": tokens, "max_tokens": max_tokens, "temperature": 0,
+         "ignore_eos": True},
+        timeout=120,
+    )  # fmt: skip
+    assert status == 200, body
+    cached = body["usage"]["prompt_tokens_details"]["cached_tokens"]
+    return body["choices"][0]["text"], cached, headers.get("x-kvconnect-instance", "")
+
+
+def metrics(url: str) -> str:
+    status, text = get(url + "/metrics")
+    assert status == 200, text
+    return str(text)
+
+
+def value(text: str, name: str, **labels: str) -> float | None:
+    for found in re.finditer(rf"^{re.escape(name)}(?:{{([^}}]*)}})? (\S+)$", text, re.M):
+        have = dict(re.findall(r'(\w+)="([^"]*)"', found.group(1) or ""))
+        if all(have.get(k) == v for k, v in labels.items()):
+            return float(found.group(2))
+    return None
+
+
+def held_by(router: RouterProcess, server: Serve, tokens: list[int], num: int) -> None:
+    """Until `server` has stored `tokens`' chunks in its cpu tier and the router's index
+    credits it with at least `num` of them."""
+
+    def credited() -> bool:
+        status, body, _ = post(router.url + "/kv/score", {"prompt": tokens})
+        assert status == 200, body
+        return bool(body["instances"][server.url]["cached_tokens"] >= num)
+
+    wait_for(credited, timeout=30, what=f"{server.url} credited {num} tokens")
+    wait_for(
+        lambda: (
+            (value(metrics(server.url), "kvconnect_connector_num_chunks_stored_total") or 0)
+            >= num // 32
+        ),
+        timeout=30,
+        what="chunks stored",
+    )
+
+
+def busy(router: RouterProcess, holder: str, tokens: list[int]) -> threading.Thread:
+    """A long request for `tokens` through the router, in flight at `holder` once this
+    returns (the router's own count)."""
+    thread = threading.Thread(target=complete, args=(router.url, tokens, 500), daemon=True)
+    thread.start()
+    wait_for(
+        lambda: value(metrics(router.url), "kvconnect_router_in_flight", instance=holder) == 1,
+        timeout=30,
+        what=f"a request in flight at {holder}",
+    )
+    return thread
+
+
+def test_a_busy_holder_lends_its_prefix_to_the_idle_instance(
+    pair: tuple[Path, list[Serve]], router: RouterProcess
+) -> None:
+    tokens = prompt(1)
+    text, cached, holder = complete(router.url, tokens)
+    assert cached == 0
+    [other] = [s.url for s in pair[1] if s.url != holder]
+    held_by(router, next(s for s in pair[1] if s.url == holder), tokens, 128)
+    long = busy(router, holder, tokens)
+    again, cached, went = complete(router.url, tokens)
+    assert (went, cached, again) == (other, 128, text)  # pulled 4 chunks of 32, same answer
+    text_m = metrics(router.url)
+    assert value(text_m, "kvconnect_router_pulls_total", source=holder, instance=other) == 1
+    long.join(120)
+
+
+@pytest.mark.parametrize("router", [("--no-pulls",)], indirect=True)
+def test_with_pulls_off_the_busy_holder_runs_it(
+    pair: tuple[Path, list[Serve]], router: RouterProcess
+) -> None:
+    tokens = prompt(2)
+    text, _, holder = complete(router.url, tokens)
+    held_by(router, next(s for s in pair[1] if s.url == holder), tokens, 128)
+    long = busy(router, holder, tokens)
+    again, cached, went = complete(router.url, tokens)
+    assert (went, again) == (holder, text) and cached >= 128  # today's choice: H, loaded
+    assert value(metrics(router.url), "kvconnect_router_pulls_total") is None
+    long.join(120)
+
+
+def test_the_router_learns_each_instances_prefill_time_and_shows_it(
+    pair: tuple[Path, list[Serve]], router: RouterProcess
+) -> None:
+    for seed, n in enumerate((64, 2048, 256, 1536, 512, 1024, 128, 3000) * 2):
+        complete(router.url, prompt(100 + seed, n), max_tokens=4)
+    text = metrics(router.url)
+    fitted = {
+        s.url: value(text, "kvconnect_router_prefill_seconds_per_token", instance=s.url)
+        for s in pair[1]
+    }
+    assert any(v is not None and v > 0 for v in fitted.values()), text
