@@ -189,22 +189,67 @@ def test_a_silent_source_costs_its_timeout_then_the_prompt_is_computed(
         assert complete(b, tokens, **source(silent.getsockname()[1])) == (text, 0)
 
 
+def forged(key: bytes) -> list[bytes]:
+    """A chunk named as asked (its checksum right) but of other tokens."""
+    other = ChunkInfo(b"x" * 32, (1, 2), None, tuple(range(32)), 16)
+    return [bytes(p) for p in pack(key.decode(), other, torch.zeros(2))]
+
+
+def serve_data(listener: socket.socket, served: list[bytes], stop: threading.Event) -> None:
+    """A data port (tiers/peer.py) that answers every key with `forged` chunks."""
+    listener.settimeout(0.05)
+    conns = []
+    while not stop.is_set():
+        try:
+            conn, _ = listener.accept()
+            conn.settimeout(0.05)
+            conns.append(conn)
+        except TimeoutError:
+            pass
+        for conn in conns:
+            try:
+                head = conn.recv(4, socket.MSG_PEEK)
+            except TimeoutError:
+                continue
+            if len(head) < 4:
+                continue
+            n = int.from_bytes(conn.recv(4), "big")
+            conn.settimeout(5)
+            key = conn.recv(n, socket.MSG_WAITALL)
+            conn.settimeout(0.05)
+            served.append(key)
+            parts = forged(key)
+            conn.sendall(
+                b"K" + bytes([len(parts)]) + b"".join(len(p).to_bytes(8, "big") for p in parts)
+            )
+            conn.sendall(b"".join(parts))
+    for conn in conns:
+        conn.close()
+
+
+@pytest.mark.parametrize("transport", ["zmq", "data_port"])
 def test_a_source_that_serves_another_prompts_chunks_is_refused(
-    pair: tuple[Serve, Serve, int],
+    pair: tuple[Serve, Serve, int], transport: str
 ) -> None:
     """A peer of the test that says it holds everything and answers every key with a chunk
-    named as asked (its checksum right) but of other tokens: B's checks refuse each, B
-    computes, and its answer is A's."""
+    named as asked (its checksum right) but of other tokens, over ZMQ or over a data port of
+    its own: B's checks refuse each, B computes, and its answer is A's."""
     a, b, a_port = pair
-    tokens = prompt(4)
+    tokens = prompt(4 if transport == "zmq" else 5)
     text, _ = complete(a, tokens)
-    with zmq.Context() as ctx:
-        hello = _ask(ctx, f"tcp://127.0.0.1:{a_port}", b"HELLO", b"")  # A's model, as B's
+    with zmq.Context() as ctx, socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        data_port = listener.getsockname()[1] if transport == "data_port" else 0
+        ws, rank, ns, _ = msgspec.msgpack.decode(
+            _ask(ctx, f"tcp://127.0.0.1:{a_port}", b"HELLO", b"")
+        )
+        hello = msgspec.msgpack.encode([ws, rank, ns, data_port])  # A's model, as B's
         forger = ctx.socket(zmq.ROUTER)
         forger.setsockopt(zmq.LINGER, 0)
         port = forger.bind_to_random_port("tcp://127.0.0.1")
         stop = threading.Event()
-        served = []
+        served: list[bytes] = []
 
         def forge() -> None:
             while not stop.is_set():
@@ -217,18 +262,23 @@ def test_a_source_that_serves_another_prompts_chunks_is_refused(
                     answer = [msgspec.msgpack.encode(len(msgspec.msgpack.decode(arg)))]
                 else:
                     served.append(arg)
-                    other = ChunkInfo(b"x" * 32, (1, 2), None, tuple(range(32)), 16)
-                    answer = [b"".join(pack(arg.decode(), other, torch.zeros(2)))]
+                    answer = [b"".join(forged(arg))]
                 forger.send_multipart([ident, rid, b"OK", *answer])
 
-        thread = threading.Thread(target=forge, daemon=True)
-        thread.start()
+        threads = [threading.Thread(target=forge, daemon=True)]
+        if data_port:
+            threads.append(
+                threading.Thread(target=serve_data, args=(listener, served, stop), daemon=True)
+            )
+        for t in threads:
+            t.start()
         try:
             refused = metric(b, "kvconnect_connector_num_peer_integrity_misses_total")
             assert complete(b, tokens, **source(port)) == (text, 0)
         finally:
             stop.set()
-            thread.join(5)
+            for t in threads:
+                t.join(5)
             forger.close()
     assert len(served) == 4
     assert metric(b, "kvconnect_connector_num_peer_integrity_misses_total") == refused + 4

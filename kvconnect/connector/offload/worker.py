@@ -74,6 +74,7 @@ from kvconnect.connector.offload.tiers.peer import (
     REPLY_SLACK,
     PeerClient,
     PeerServer,
+    RecvBuffers,
     shared_curve,
 )
 from kvconnect.events import BlockRemoved, BlockStored, KVCacheEvent
@@ -178,6 +179,7 @@ class OffloadWorker:
         self.leases = Leases()
         self.peer_server: PeerServer | None = None
         self._peer_clients: dict[tuple[str, int], PeerClient] = {}
+        self._recv_buffers: RecvBuffers | None = None
         peer = config.peer
         self._peer_mac = read_mac_key(peer.hmac_key_file) if peer and peer.hmac_key_file else None
         self._peer_curve = shared_curve(peer.curve_secret_key_file) if peer else None
@@ -549,7 +551,11 @@ class OffloadWorker:
         client = self._peer_client(source)
         wanted = [(self._key(info), info) for info in chunks]
         local = self._local
-        for (key, info), got in zip(wanted, client.fetch_many(wanted, self.placement), strict=True):
+        if self._recv_buffers is None:  # each chunk is put and scattered before two more come
+            numel = math.prod(self.placement.chunk_shape)
+            self._recv_buffers = RecvBuffers(numel * self.placement.dtype.itemsize)
+        pulls = client.fetch_many(wanted, self.placement, self._recv_buffers)
+        for (key, info), got in zip(wanted, pulls, strict=True):
             if isinstance(got, IntegrityError):
                 logger.warning("offload: peer %s:%d: integrity miss: %s", *source, got)
                 with self._lock:

@@ -3,6 +3,10 @@ pulled bit-exact, refusals on both sides, and every forged answer refused before
 
 from __future__ import annotations
 
+import contextlib
+import math
+import re
+import socket
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -23,7 +27,15 @@ from kvconnect.connector.offload.tiers.base import (
     TierUnavailable,
     pack,
 )
-from kvconnect.connector.offload.tiers.peer import MAX_KEYS, PeerClient, PeerServer, shared_curve
+from kvconnect.connector.offload.tiers.peer import (
+    MAX_DATA_CONNECTIONS,
+    MAX_KEYS,
+    PeerClient,
+    PeerServer,
+    RecvBuffers,
+    shared_curve,
+)
+from tests.helpers import wait_for
 
 NS = "tiny@0123456789abcdef"
 SHAPE = (2, 2, 32, 1, 4)
@@ -337,4 +349,175 @@ def test_a_source_that_dies_mid_pull_fails_the_rest_of_it_in_its_timeout() -> No
     finally:
         hang.set()
         client.close()
+        server.close()
+
+
+# -- the data port ---------------------------------------------------------------------------
+
+
+def test_a_pull_reads_its_chunks_over_the_data_port_into_the_buffers_it_is_given() -> None:
+    """Three chunks and a miss over the data port, bit-exact, each chunk's data in the
+    buffers given (in turn): a chunk stays intact until two more have been read."""
+    with serving(MAC) as (server, client):
+        assert server.data is not None
+        c = client(mac_key=MAC)
+        size = math.prod(SHAPE) * 4
+        buffers = RecvBuffers(size)
+        wanted = [(key(i), info(i)) for i in (0, 1, 2, 7)]
+        pulls = c.fetch_many(wanted, PLACEMENT, buffers)
+        first = next(pulls)
+        assert isinstance(first, StoredChunk) and torch.equal(first.data, CHUNKS[key(0)][1])
+        second = next(pulls)
+        assert isinstance(second, StoredChunk)
+        assert torch.equal(first.data, CHUNKS[key(0)][1])  # one more read: still intact
+        third = next(pulls)
+        assert isinstance(third, StoredChunk) and torch.equal(third.data, CHUNKS[key(2)][1])
+        assert first.data.data_ptr() == third.data.data_ptr()  # in turn: the same memory
+        assert torch.equal(second.data, CHUNKS[key(1)][1])
+        assert next(pulls) is None  # key 7: a miss
+        assert c._data is not None
+        again = list(c.fetch_many(wanted[:1], PLACEMENT))  # no buffers: memory of its own
+        assert isinstance(again[0], StoredChunk)
+        assert torch.equal(again[0].data, CHUNKS[key(0)][1])
+
+
+def data_request(port: int, payload: bytes) -> bytes:
+    """`payload` sent raw to a data port; everything it answers until it closes."""
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+        s.sendall(payload)
+        got = b""
+        while chunk := s.recv(1 << 16):
+            got += chunk
+        return got
+
+
+@pytest.mark.parametrize(
+    ("payload", "says"),
+    [
+        ((0).to_bytes(4, "big"), b"a key is 1-512 bytes"),
+        ((1 << 20).to_bytes(4, "big"), b"a key is 1-512 bytes"),
+        (b"\x00\x00\x00\x01\xff", b"a key is ASCII"),
+        (len(k := key(0, 1, 2).encode()).to_bytes(4, "big") + k, b"not one of this rank's"),
+    ],
+)
+def test_a_bad_data_port_request_is_refused_and_closed_and_the_server_serves_on(
+    payload: bytes, says: bytes
+) -> None:
+    with serving() as (server, client):
+        assert server.data is not None
+        answer = data_request(server.data.port, payload)
+        assert answer[:2] == b"E\x01" and says in answer[10:], answer
+        got = list(client().fetch_many([(key(1), info(1))], PLACEMENT))
+        assert isinstance(got[0], StoredChunk)
+
+
+def test_the_data_port_holds_a_bounded_number_of_connections() -> None:
+    with serving() as (server, client):
+        assert server.data is not None
+        idle = [
+            socket.create_connection(("127.0.0.1", server.data.port))
+            for _ in range(MAX_DATA_CONNECTIONS + 1)
+        ]
+        try:
+            last = idle[-1]
+            last.settimeout(5)
+            assert last.recv(1) == b""  # one over the bound: closed at once
+            idle.pop().close()
+            idle.pop().close()  # room for one more
+            wait_for(lambda: len(server.data._conns) < MAX_DATA_CONNECTIONS, what="a slot")  # type: ignore[union-attr]
+            got = list(client().fetch_many([(key(1), info(1))], PLACEMENT))
+            assert isinstance(got[0], StoredChunk)
+        finally:
+            for s in idle:
+                s.close()
+
+
+@contextmanager
+def data_forger(answer: bytes) -> Iterator[str]:
+    """A peer whose HELLO names a data port that sends `answer` to every request."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    hello = msgspec.msgpack.encode([1, 0, NS, listener.getsockname()[1]])
+
+    def serve_data() -> None:
+        with contextlib.suppress(OSError):
+            conn, _ = listener.accept()
+            with conn:
+                conn.recv(4 + len(key(1)))
+                conn.sendall(answer)
+                conn.recv(1)  # until the client closes
+
+    def hello_only(verb: bytes, arg: bytes) -> list[bytes]:
+        return [b"OK", hello]
+
+    thread = threading.Thread(target=serve_data, daemon=True)
+    thread.start()
+    try:
+        with forger(hello_only) as endpoint:
+            yield endpoint
+    finally:
+        listener.close()
+        thread.join(5)
+
+
+def parts_answer(*parts: bytes, status: bytes = b"K") -> bytes:
+    return (
+        status
+        + bytes([len(parts)])
+        + b"".join(len(p).to_bytes(8, "big") for p in parts)
+        + b"".join(parts)
+    )
+
+
+@pytest.mark.parametrize(
+    ("answer", "error", "says"),
+    [
+        (b"Z\x00", TierError, "not a data-port answer"),
+        (b"K\x09", TierError, "not a data-port answer"),
+        (parts_answer(b"a", b"b"), TierError, "an answer of 2 parts"),
+        (parts_answer(b"h", b"h", b"h", b"x" * (1 << 17)), TierError, "a part of 131072 bytes"),
+        (
+            b"K\x04" + b"".join(n.to_bytes(8, "big") for n in (1, 1, 1, 1 << 40)) + b"hhh",
+            TierError,
+            "a part of 1099511627776 bytes",
+        ),
+        (
+            parts_answer(b"h", b"h", b"h", b"x" * 64)[:-10],
+            TierUnavailable,
+            "closed after|reset by peer",
+        ),
+        (parts_answer(b"nope", status=b"E"), TierError, "refused GET .*: nope"),
+    ],
+)
+def test_a_data_port_answer_framed_badly_is_never_taken(
+    answer: bytes, error: type[TierError], says: str
+) -> None:
+    """Each bad answer fails the chunk it came for and the rest of the pull (the connection
+    is closed: nothing after it can be trusted to be in step)."""
+    with data_forger(answer) as endpoint:
+        c = PeerClient(endpoint, 1, 0, NS, timeout_s=2.0, max_reply_bytes=1 << 16)
+        try:
+            got = list(c.fetch_many([(key(1), info(1)), (key(2), info(2))], PLACEMENT))
+            assert all(isinstance(g, error) for g in got), got
+            assert re.search(says, str(got[0])), got
+            assert c._data is None
+        finally:
+            c.close()
+
+
+def test_with_curve_there_is_no_data_port(tmp_path: Path) -> None:
+    keys = shared_curve(certificate(tmp_path, "peers"))
+    assert keys is not None
+    server = PeerServer(
+        "tcp://127.0.0.1:0", 1, 0, NS, len, lambda k: list(pack(k, *CHUNKS[k])), curve=keys[0]
+    )
+    c = PeerClient(server.endpoint, 1, 0, NS, timeout_s=2.0, curve=keys[1])
+    try:
+        assert server.data is None
+        got = list(c.fetch_many([(key(1), info(1))], PLACEMENT))
+        assert isinstance(got[0], StoredChunk) and torch.equal(got[0].data, CHUNKS[key(1)][1])
+        assert c._data is None
+    finally:
+        c.close()
         server.close()
