@@ -222,9 +222,12 @@ class OffloadWorker:
             except TierTooSmall as e:  # the chunk size is known only here, with the cache
                 logger.warning("offload: %s; running without that tier", e)
         self._local = [i for i, t in enumerate(self.tiers) if not t.shared]
-        for tier in self.tiers:
+        for i, tier in enumerate(self.tiers):
             if isinstance(tier, CpuTier):
                 tier.leased = self.leases.__contains__
+                # What it evicts is demoted to a local tier below it, or dropped: then its
+                # data is not copied out (a fresh 12 MB per eviction, and its page faults).
+                tier.keep_evicted = any(j > i for j in self._local)
         for tier in self.tiers:
             for _, info in tier.entries():  # found again after a restart
                 self._events.append(stored_event(info, tier.kind))

@@ -8,6 +8,7 @@ tests_vllm/v033/test_layouts.py."""
 
 from __future__ import annotations
 
+import tempfile
 from dataclasses import dataclass
 
 import pytest
@@ -25,6 +26,7 @@ from kvconnect.connector.offload.common import (
 )
 from kvconnect.connector.offload.kinds import TierKind
 from kvconnect.connector.offload.layout import LayoutError, PagedKV, from_kv_planes, from_logical
+from kvconnect.connector.offload.tiers.cpu import CpuTier
 from kvconnect.connector.offload.worker import OffloadWorker
 
 BS, CHUNK, BLOCKS, LAYERS = 4, 8, 12, 3
@@ -380,3 +382,36 @@ def test_a_sync_load_is_done_when_start_load_kv_returns_and_is_never_reported() 
     )
     assert worker.get_block_ids_with_load_errors() == {4, 5}
     assert worker.get_finished() == (None, None)
+
+
+def test_a_workers_cpu_tier_copies_out_what_it_evicts_only_with_a_tier_below() -> None:
+    """Demotion needs the evicted data; with no local tier below it, it would be a 12 MB
+    copy into fresh memory per eviction (its page faults showed on every pull)."""
+    cfg = KVTransferConfig(kv_connector="OffloadConnector", kv_role="kv_both")
+    ctx = KVConnectorContext(cfg, world_size=1, rank=0, block_size=BS, model_name="m")
+    spec = SPECS["full_bf16"]
+    _, views = allocate_like_vllm(LAYOUTS["BLNHC"], spec)
+    paged = PagedKV.from_views(
+        {
+            f"l{i}": from_logical(f"l{i}", v, BLOCKS, spec.kv_width, "BLNHC")
+            for i, v in enumerate(views)
+        }
+    )
+    with tempfile.TemporaryDirectory() as d:
+        for tiers, keeps in (
+            ((TierConfig(kind=TierKind.CPU, max_bytes=1 << 20),), False),
+            (
+                (
+                    TierConfig(kind=TierKind.CPU, max_bytes=1 << 20),
+                    TierConfig(kind=TierKind.DISK, path=d, max_bytes=1 << 22),
+                ),
+                True,
+            ),
+        ):
+            worker = OffloadWorker(ctx, OffloadConfig(block_size=BS, chunk_size=CHUNK, tiers=tiers))
+            try:
+                worker.register_paged_kv(paged)
+                cpu = worker.tiers[0]
+                assert isinstance(cpu, CpuTier) and cpu.keep_evicted is keeps
+            finally:
+                worker.shutdown()

@@ -44,6 +44,17 @@ def test_cpu_tier_slots_lru_and_demotion_data() -> None:
         CpuTier(10, SHAPE, torch.float32)
 
 
+def test_a_cpu_tier_with_nothing_below_evicts_without_copying_the_data_out() -> None:
+    tier = CpuTier(2 * 2 * 2 * 8 * 2 * 4 * 4, SHAPE, torch.float32)  # exactly 2 slots
+    tier.keep_evicted = False
+    for i in range(2):
+        tier.put(*chunk(i))
+    [evicted] = tier.put(*chunk(2))
+    assert (evicted.key, evicted.info, evicted.data) == (chunk(0)[0], chunk(0)[1], None)
+    assert torch.equal(tier.get(chunk(2)[0]), chunk(2)[2])  # type: ignore[arg-type]
+    tier.check_integrity()
+
+
 def test_a_cpu_slot_holds_a_tail_in_its_first_part_and_refuses_data_its_header_denies() -> None:
     tier = CpuTier(1 << 16, SHAPE, torch.float32)
     _, info, data = chunk(5)

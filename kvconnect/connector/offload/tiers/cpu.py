@@ -60,6 +60,8 @@ class CpuTier(Tier):
         self._free = list(range(self.num_slots - 1, -1, -1))
         self._index: OrderedDict[str, tuple[int, ChunkInfo]] = OrderedDict()
         self.leased: Callable[[str], bool] | None = None
+        self.keep_evicted = True
+        """Whether `put` returns an evicted chunk's data (a copy) or only its key and info."""
 
     def contains(self, key: str) -> bool:
         return key in self._index
@@ -75,7 +77,8 @@ class CpuTier(Tier):
         if not self._free:
             old_key = self._victim()
             slot, old_info = self._index.pop(old_key)
-            evicted.append(Evicted(old_key, old_info, self._view(slot, old_info).clone()))
+            kept = self._view(slot, old_info).clone() if self.keep_evicted else None
+            evicted.append(Evicted(old_key, old_info, kept))
             self._free.append(slot)
         slot = self._free.pop()
         self._view(slot, info).copy_(data)
