@@ -6,6 +6,7 @@ environment), one line:
     pulled      TTFT on B of a prompt A computed, B naming A as `remote_kv_source`
     local       the same prompt on B again after vLLM's own cache was emptied
                 (`/reset_prefix_cache`): loaded from B's cpu tier, where the pull left it
+                (both the median of REPEATS prompts)
     bytes       what the pull moved; the pull's cost over the local load, as a rate, beside
                 a bare TCP copy of the same bytes between two processes (the limit), this run
     crossover   the prompt length below which recomputing costs less than pulling, from the
@@ -25,6 +26,7 @@ import json
 import multiprocessing as mp
 import random
 import socket
+import statistics
 import sys
 import time
 import urllib.request
@@ -38,6 +40,8 @@ except ImportError:  # imported as bench.peer_pull
 BLOCK, CHUNK, OUT = 32, 256, 16
 TOKEN_BYTES = 30 * 2 * 3 * 64 * 4  # layers x (K, V) x KV heads x dim x fp32
 LENGTHS = [1024, 4096]
+REPEATS = 3
+"""Pulls (and local loads) per length: their medians are reported."""
 LONG = 8000  # "8k": SmolLM2 has 8,192 positions, prompt and answer together
 
 
@@ -136,15 +140,20 @@ def measure(lengths: list[int]) -> dict[str, Any]:
         for n in lengths:
             row: dict[str, Any] = {"n": n}
             _, row["recompute"] = run(b, fresh(n))
-            shared = fresh(n)
-            run(a, shared)
-            source = {"remote_kv_source": {"host": "127.0.0.1", "port": a_port}}
-            answer, row["pulled"] = run(b, shared, kv_transfer_params=source)
-            row["pulled_tokens"] = cached(answer)
-            run(b, fresh(32))  # a step: the pulled chunks' stores land in B's cpu tier
-            post(b.url + "/reset_prefix_cache", {})
-            answer, row["local"] = run(b, shared)
-            row["local_tokens"] = cached(answer)
+            pulled, local = [], []
+            for _ in range(REPEATS):  # each a prompt of its own, A's to compute first
+                shared = fresh(n)
+                run(a, shared)
+                source = {"remote_kv_source": {"host": "127.0.0.1", "port": a_port}}
+                answer, took = run(b, shared, kv_transfer_params=source)
+                pulled.append(took)
+                row["pulled_tokens"] = cached(answer)
+                run(b, fresh(32))  # a step: the pulled chunks' stores land in B's cpu tier
+                post(b.url + "/reset_prefix_cache", {})
+                answer, took = run(b, shared)
+                local.append(took)
+                row["local_tokens"] = cached(answer)
+            row["pulled"], row["local"] = statistics.median(pulled), statistics.median(local)
             row["bytes"] = row["pulled_tokens"] * TOKEN_BYTES
             row["bare_tcp"] = bare_tcp(row["bytes"])
             pd = fresh(n)

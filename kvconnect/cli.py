@@ -220,7 +220,7 @@ def _router_flags(commands: Commands, common: Parser) -> None:
         type=positive_int,
         default=256,
         help="P/D: prefill elsewhere only when the decode instance lacks at least this many "
-        "prompt tokens (set by hand for now)",
+        "prompt tokens, until the pair's crossover is measured from its answers",
     )
     r.add_argument("--host", default="127.0.0.1", help="bind address")
     r.add_argument("--port", type=port, default=9000, help="HTTP port")

@@ -54,12 +54,11 @@ async def forward(
     check: StaleCheck | None = None,
     authorization: str | None = None,
     source: str | None = None,
-    learn: bool = True,
 ) -> Response:
     """Relay one request and its answer; a whole JSON answer's usage is checked against the
-    index (`Router.check_cached`) and, with `learn`, measures the instance's costs (and the
-    pull's, from `source`: `Router.learn`). `authorization` goes to the instance as that
-    header."""
+    index (`Router.check_cached`) and measures the instance's costs (and the pull's, from
+    `source`, the instance named to pull from: `Router.learn`). `authorization` goes to the
+    instance as that header."""
     start = time.perf_counter()
     try:
         upstream = await pool.post(instance.url, request.path, raw, authorization=authorization)
@@ -89,7 +88,7 @@ async def forward(
                 and b'"prompt_tokens_details"' in body  # absent: the instance does not say
             ):
                 router.check_cached(instance.name, score, check, body)
-            if learn and upstream.status == 200 and b'"prompt_tokens_details"' in body:
+            if upstream.status == 200 and b'"prompt_tokens_details"' in body:
                 router.learn(instance.name, score, source, time.perf_counter() - start, body)
             return Response(upstream.status, body, content_type, headers)
         streamed = True

@@ -74,7 +74,10 @@ class RouterMetrics(Collector):
             if cross is not None:
                 crossover.add_metric([source, dest], cross)
         sent = CounterMetricFamily(
-            PREFIX + "pulls", "Requests sent with remote_kv_source.", labels=pair
+            PREFIX + "pulls",
+            "Requests sent to pull their prefix from another instance (remote_kv_source, or "
+            "P/D's decode step).",
+            labels=pair,
         )
         for (source, dest), n in sorted(r.pulls_sent.items()):
             sent.add_metric([source, dest], n)
@@ -125,7 +128,8 @@ class RouterMetrics(Collector):
             (C, "hit_blocks", "Cached prefix blocks of routed requests, by tier.", "tier",
              dict(r.hit_blocks)),
             (C, "pd", "P/D requests by outcome (disaggregated, local: the decode instance "
-             "lacked less than --pd-min-tail, prefill_failed, no_prefill_instance).", "outcome",
+             "lacked less than the pair's crossover, or --pd-min-tail until it is measured; "
+             "prefill_failed, no_prefill_instance).", "outcome",
              dict(r.pd)),
             (C, "index_removed", "Index entries taken back by BlockRemoved events, by tier.",
              "tier", removed),

@@ -3,8 +3,8 @@ proxy and llm-d's sidecar drive it the same way), so it drives kvconnect pairs a
 NixlConnector pairs alike:
 
     1. the decode instance D is chosen as any request's instance is (`Router.pick`)
-    2. when the prompt's tail that D lacks is at least `min_tail` tokens, a prefill
-       instance P is chosen among the `--prefill-instance`s (prefix and load, `choose`), and
+    2. a prefill instance P is chosen among the `--prefill-instance`s (prefix and load,
+       `choose`); when the prompt's tail that D lacks is at least the pair's crossover, P
        gets the request with max_tokens 1, no stream and
        `kv_transfer_params: {"do_remote_decode": true, ...}`
     3. D gets the client's request with P's answer's `kv_transfer_params`; its answer
@@ -14,7 +14,10 @@ A P that fails, times out, answers an error or no params costs only its time: D 
 client's request unchanged and computes the prompt (counted: `pd_prefill_failed`). What
 each step sent where is counted per outcome (`kvconnect_router_pd_total`).
 
-`min_tail` is set by hand for now (`--pd-min-tail`): below it D computes the tail itself.
+The crossover is measured: D's answers to P/D requests fit what pulling from P costs D
+(costs.py), and below `CostModel.crossover(P, D)` tokens D computes faster than it pulls, so
+it computes the tail itself. Until the pair is measured, `min_tail` (`--pd-min-tail`) stands
+in for it.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import msgspec
 
 from kvconnect.http.client import Unreachable, UpstreamBroken, UpstreamPool, UpstreamTimeout
 from kvconnect.router.core import Instance, Router
+from kvconnect.router.costs import CostModel
 from kvconnect.router.index import PrefixScore
 
 logger = logging.getLogger(__name__)
@@ -76,21 +80,29 @@ def with_source(raw: bytes, source: Instance) -> bytes:
     return decode_body(raw, {"remote_kv_source": {"host": host, "port": port}})
 
 
+def min_tail_of(costs: CostModel, prefill: str, decode: str, min_tail: int) -> float:
+    """The tail `decode` must lack for a prefill on `prefill` to pay: the pair's measured
+    crossover (inf: a pull from it never pays), or `min_tail` until it is measured."""
+    crossover = costs.crossover(prefill, decode)
+    return max(1.0, min_tail if crossover is None else crossover)
+
+
 async def prefilled(
     router: Router,
     pool: UpstreamPool,
     path: str,
     raw: bytes,
     token_ids: list[int],
+    decode: str,
     decode_score: PrefixScore,
     min_tail: int,
     authorization: str | None,
     cache_salt: str | None = None,
-) -> bytes | None:
-    """The body to send D, with a prefill's params; None when D computes the prompt itself
-    (and gets the client's body)."""
+) -> tuple[bytes, str] | None:
+    """The body to send D (`decode`), with a prefill's params, and that prefill instance;
+    None when D computes the prompt itself (and gets the client's body)."""
     tail = len(token_ids) - decode_score.num_tokens
-    if tail < max(1, min_tail):
+    if tail < 1:
         router.pd["local"] += 1
         return None
     picked = router.pick_prefill(token_ids, cache_salt)
@@ -98,13 +110,16 @@ async def prefilled(
         router.pd["no_prefill_instance"] += 1
         return None
     prefill, score, _ = picked
+    if tail < min_tail_of(router.costs, prefill.name, decode, min_tail):
+        router.pd["local"] += 1
+        return None
     router.record(prefill.name, score)
     params = await _run_prefill(router, pool, prefill, path, raw, authorization)
     if params is None:
         router.pd["prefill_failed"] += 1
         return None
     router.pd["disaggregated"] += 1
-    return decode_body(raw, params)
+    return decode_body(raw, params), prefill.name
 
 
 async def _run_prefill(

@@ -92,7 +92,7 @@ class RouterOptions:
     """Present `instance_api_key` even to clients that no `api_key` checks (an open relay)."""
     pd_min_tail: int = 256
     """P/D: disaggregate only when the decode instance lacks at least this many of the
-    prompt's tokens (router/pd.py)."""
+    prompt's tokens, until the pair's crossover is measured (router/pd.py)."""
 
     def __post_init__(self) -> None:
         key = self.instance_api_key
@@ -208,7 +208,7 @@ class RouterServer:
         tried: set[str] = set()
         failed = ""
         prefill_pending = bool(router.prefill_names)  # P/D: once, whichever D answers
-        with_params: bytes | None = None  # P/D: the body with a prefill's params
+        with_params: tuple[bytes, str] | None = None  # P/D: the body with P's params, P
         while True:
             picked = router.pick(token_ids, tried, req.cache_salt)
             if picked is None:
@@ -227,19 +227,19 @@ class RouterServer:
                         http.path,
                         http.body,
                         token_ids,
+                        instance.name,
                         score,
                         self.pd_min_tail,
                         authorization,
                         req.cache_salt,
                     )
-                body = with_params
+                body, pulls_from = with_params or (None, None)
                 if body is None and source is not None and req.kv_transfer_params is None:
                     body = with_source(http.body, source)  # the client's own params win
-                else:
-                    source = None
+                    pulls_from = source.name
                 # D counts what it pulled (or, vLLM, P's hits), not what its index entry says;
                 # an instance that pulled, what it pulled too
-                check = None if with_params or source else stale_check(req, token_ids)
+                check = None if pulls_from else stale_check(req, token_ids)
                 response = await forward(
                     http,
                     self.pool,
@@ -249,8 +249,7 @@ class RouterServer:
                     score,
                     check,
                     authorization,
-                    source.name if source else None,
-                    learn=with_params is None,
+                    pulls_from,
                 )
             except BaseException as e:
                 in_flight[instance.name] -= 1

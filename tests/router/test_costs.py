@@ -10,6 +10,7 @@ import random
 import pytest
 
 from kvconnect.router.costs import PRIOR_PULL_RATIO, CostModel
+from kvconnect.router.pd import min_tail_of
 
 
 def answers(
@@ -99,3 +100,15 @@ def test_answers_that_measure_nothing_are_ignored() -> None:
     model.observe("b", 1.0, -5, 1)
     model.observe("b", 1.0, 100, 1, source="a", pulled=0)  # a pull that moved nothing
     assert model.instance("b") == before and model.pull("a", "b") is None
+
+
+def test_p_d_disaggregates_past_the_pairs_measured_crossover_and_min_tail_until_then() -> None:
+    model = CostModel()
+    rng = random.Random(6)
+    assert min_tail_of(model, "p", "d", 256) == 256  # nothing measured: the flag
+    answers(model, rng, 30, fixed=0.05, prefill=0.002, decode=0.01, name="d")
+    for _ in range(10):  # D's answers to P/D requests: what pulling from P took
+        pulled = rng.randrange(256, 4096)
+        model.observe("d", 0.05 + 0.01 * 8 + 0.2 + 0.0001 * pulled, 0, 8, "p", pulled)
+    assert min_tail_of(model, "p", "d", 256) == pytest.approx(0.2 / 0.0019, rel=0.05)  # ~105
+    assert min_tail_of(model, "p", "other", 256) == 256  # another pair: not measured

@@ -235,6 +235,9 @@ class OffloadWorker:
         self._thread.start()
         peer = self.config.peer
         if peer is not None:
+            # made now: populating them costs the first pull nothing
+            numel = math.prod(self.placement.chunk_shape)
+            self._recv_buffers = RecvBuffers(numel * self.placement.dtype.itemsize)
             self.peer_server = PeerServer(
                 f"tcp://{peer.host}:{peer.port + self.rank}",
                 self.context.world_size,
@@ -554,9 +557,7 @@ class OffloadWorker:
         client = self._peer_client(source)
         wanted = [(self._key(info), info) for info in chunks]
         local = self._local
-        if self._recv_buffers is None:  # each chunk is put and scattered before two more come
-            numel = math.prod(self.placement.chunk_shape)
-            self._recv_buffers = RecvBuffers(numel * self.placement.dtype.itemsize)
+        # each chunk is put and scattered before two more are read into the buffers
         pulls = client.fetch_many(wanted, self.placement, self._recv_buffers)
         for (key, info), got in zip(wanted, pulls, strict=True):
             if isinstance(got, IntegrityError):
