@@ -15,8 +15,10 @@ starts no server and never imports torch.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
+import time
 from collections import Counter
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -64,6 +66,12 @@ _COUNTS = msgspec.json.Decoder(_Measured)
 
 HTTP_DEFAULT_PORT = 80
 """An instance URL without a port means this one (`Instance.port`)."""
+
+MIN_PENDING_TOKENS = 256
+"""A routed prompt with at least this many tokens its instance lacks is *being prefilled*
+there until the index shows them (or its answer ends): a request arriving meanwhile that
+shares at least this many of its tokens waits for them (`Router.wait_for_prefill`)."""
+MAX_PENDING_WAIT_S = 30.0
 
 StaleCheck = tuple[list[int], str | None]
 """(prompt token ids, cache salt): what to check an answer's cached tokens against."""
@@ -131,6 +139,31 @@ class Picked(NamedTuple):
     instance: Instance
     score: PrefixScore
     source: Instance | None = None
+
+
+@dataclass(eq=False)
+class Prefill:
+    """A long prompt an instance is computing (`Router.prefilling`)."""
+
+    instance: str
+    tokens: list[int]
+    cache_salt: str | None
+    started: float
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens `a` and `b` share."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo], a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 def check_url(url: str) -> None:
@@ -201,6 +234,12 @@ class Router:
         """Per instance, the seq of the last batch (or snapshot) its index state includes."""
         self.subscriber: KVEventSubscriber | None = None
         self._thread: threading.Thread | None = None
+        self.prefills: list[Prefill] = []
+        """Long prompts being computed (`prefilling`): what a burst sharing them waits for."""
+        self._applied: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
+        self.waited: Counter[str] = Counter()
+        """Requests that waited for another's prefill, by how the wait ended (held: the
+        instance holds the prefix; ended: that prompt's answer ended first; timeout)."""
 
     def start(self) -> Router:
         """Follow every instance's event stream on a thread of its own; returns self."""
@@ -225,6 +264,80 @@ class Router:
                 self.index.apply_item(name, item)
                 if isinstance(item, ReceivedBatch | StreamSnapshot):
                     self.last_seq[name] = item.seq
+            if self._applied:
+                self._wake()
+
+    def _wake(self) -> None:
+        """Every `wait_for_prefill` looks again (the index or the prefills changed)."""
+        with self.lock:
+            waiters, self._applied = self._applied, []
+        for loop, future in waiters:
+            loop.call_soon_threadsafe(_resolve, future)
+
+    def prefilling(
+        self, name: str, token_ids: list[int], salt: str | None, score: PrefixScore
+    ) -> Prefill | None:
+        """A prompt sent to `name`, which lacks `score` of it: a Prefill (to end with
+        `prefilled`) when that leaves at least MIN_PENDING_TOKENS to compute."""
+        if len(token_ids) - score.num_tokens < MIN_PENDING_TOKENS:
+            return None
+        p = Prefill(name, token_ids, salt, time.monotonic())
+        with self.lock:
+            self.prefills.append(p)
+        return p
+
+    def prefilled(self, p: Prefill) -> None:
+        with self.lock:
+            if p in self.prefills:
+                self.prefills.remove(p)
+        self._wake()
+
+    def _pending(self, token_ids: list[int], salt: str | None) -> tuple[Prefill, int] | None:
+        """The prefill sharing the most (at least MIN_PENDING_TOKENS) of `token_ids`, and how
+        many, where no instance holds that many of them yet."""
+        with self.lock:
+            prefills = list(self.prefills)
+        best: tuple[Prefill, int] | None = None
+        for p in prefills:
+            if p.cache_salt != salt:
+                continue
+            shared = common_prefix(p.tokens, token_ids)
+            if shared >= MIN_PENDING_TOKENS and (best is None or shared > best[1]):
+                best = p, shared
+        if best is None:
+            return None
+        scores = self.scores(token_ids, salt)
+        bs = scores[best[0].instance].block_size or self.index.block_size
+        if max((s.num_tokens for s in scores.values()), default=0) >= best[1] // bs * bs:
+            return None  # held already: routing sees it
+        return best
+
+    async def wait_for_prefill(self, token_ids: list[int], salt: str | None = None) -> None:
+        """When another request is computing a long prefix of `token_ids` that no instance
+        holds yet, wait until its instance holds it (its events), its answer ends or
+        MAX_PENDING_WAIT_S pass: then routing finds the prefix (and may pull it) instead of
+        computing it once more (a burst sharing a new prefix is computed once)."""
+        deadline = time.monotonic() + MAX_PENDING_WAIT_S
+        first = self._pending(token_ids, salt)
+        if first is None:
+            return
+        loop = asyncio.get_running_loop()
+        while True:
+            future: asyncio.Future[None] = loop.create_future()
+            with self.lock:
+                self._applied.append((loop, future))
+            pending = self._pending(token_ids, salt)
+            if pending is None:
+                with self.lock:
+                    gone = pending is None and first[0] not in self.prefills
+                self.waited["ended" if gone else "held"] += 1
+                return
+            left = deadline - time.monotonic()
+            try:
+                await asyncio.wait_for(future, max(0.0, left))
+            except TimeoutError:
+                self.waited["timeout"] += 1
+                return
 
     def close(self) -> None:
         if self.subscriber is not None:
@@ -371,3 +484,8 @@ def stale_check(
         if not (isinstance(p, str) or len(p) == 1 or not isinstance(p[0], str | list)):
             return None
     return token_ids, req.cache_salt
+
+
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)

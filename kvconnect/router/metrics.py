@@ -131,6 +131,9 @@ class RouterMetrics(Collector):
              "lacked less than the pair's crossover, or --pd-min-tail until it is measured; "
              "prefill_failed, no_prefill_instance).", "outcome",
              dict(r.pd)),
+            (C, "prefill_waits", "Requests that waited for another request's prefill of a "
+             "prefix they share, by how the wait ended (held, ended, timeout).", "outcome",
+             dict(r.waited)),
             (C, "index_removed", "Index entries taken back by BlockRemoved events, by tier.",
              "tier", removed),
             (C, "index_stale", "Index entries found stale by a load miss (an instance computed "

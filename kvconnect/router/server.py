@@ -39,6 +39,7 @@ import signal
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 import msgspec
 
@@ -128,14 +129,19 @@ def _none_answered(reason: str) -> Response:
 
 
 def _counted(
-    release: Callable[[], None] | None, in_flight: Counter[str], name: str
+    release: Callable[[], None] | None,
+    in_flight: Counter[str],
+    name: str,
+    ended: Callable[[], None] | None = None,
 ) -> Callable[[], None]:
-    """`release` (if any), then the instance's request no longer in flight."""
+    """`release` (if any), then the instance's request no longer in flight (and `ended`)."""
 
     def done() -> None:
         if release is not None:
             release()
         in_flight[name] -= 1
+        if ended is not None:
+            ended()
 
     return done
 
@@ -209,6 +215,8 @@ class RouterServer:
         failed = ""
         prefill_pending = bool(router.prefill_names)  # P/D: once, whichever D answers
         with_params: tuple[bytes, str] | None = None  # P/D: the body with P's params, P
+        if not router.prefill_names:  # a burst sharing a new prefix: computed once, not everywhere
+            await router.wait_for_prefill(token_ids, req.cache_salt)
         while True:
             picked = router.pick(token_ids, tried, req.cache_salt)
             if picked is None:
@@ -218,6 +226,10 @@ class RouterServer:
             http.instance = instance.name
             in_flight = router.in_flight
             in_flight[instance.name] += 1
+            computing = None
+            if source is None and not router.prefill_names:
+                computing = router.prefilling(instance.name, token_ids, req.cache_salt, score)
+            ended = None if computing is None else partial(router.prefilled, computing)
             try:
                 if prefill_pending:
                     prefill_pending = False
@@ -253,6 +265,8 @@ class RouterServer:
                 )
             except BaseException as e:
                 in_flight[instance.name] -= 1
+                if ended is not None:
+                    ended()
                 if not isinstance(e, Unreachable):
                     raise
                 logger.warning("router: %s unreachable (%s); trying another", instance.name, e)
@@ -260,7 +274,7 @@ class RouterServer:
                 failed = f"{instance.name}: {e}"
                 continue
             # In flight until the answer is sent, cut or abandoned (a stream's takes a while).
-            response.on_close = _counted(response.on_close, in_flight, instance.name)
+            response.on_close = _counted(response.on_close, in_flight, instance.name, ended)
             return response
 
     async def completions(self, http: Request) -> Response:

@@ -1,6 +1,6 @@
-"""The router's cost model (router/costs.py): fits that recover an instance's prefill, decode
-and fixed times and a pair's pull cost from answers, follow an instance that changes, and
-stand in for nothing until measured."""
+"""The router's cost model (router/costs.py): fits that recover an instance's prefill,
+decode and fixed times and a pair's pull cost from answers, follow an instance that changes,
+and stand in for nothing until measured; and the prompt arithmetic of bursts."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import random
 
 import pytest
 
+from kvconnect.router.core import common_prefix
 from kvconnect.router.costs import PRIOR_PULL_RATIO, CostModel
 from kvconnect.router.pd import min_tail_of
 
@@ -112,3 +113,16 @@ def test_p_d_disaggregates_past_the_pairs_measured_crossover_and_min_tail_until_
         model.observe("d", 0.05 + 0.01 * 8 + 0.2 + 0.0001 * pulled, 0, 8, "p", pulled)
     assert min_tail_of(model, "p", "d", 256) == pytest.approx(0.2 / 0.0019, rel=0.05)  # ~105
     assert min_tail_of(model, "p", "other", 256) == 256  # another pair: not measured
+
+
+def test_common_prefix_counts_the_leading_tokens_two_prompts_share() -> None:
+    rng = random.Random(7)
+    for _ in range(200):
+        a = [rng.randrange(4) for _ in range(rng.randrange(0, 40))]
+        b = a[: rng.randrange(0, len(a) + 1)] + [
+            rng.randrange(4) for _ in range(rng.randrange(0, 5))
+        ]
+        n = 0
+        while n < min(len(a), len(b)) and a[n] == b[n]:
+            n += 1
+        assert common_prefix(a, b) == n

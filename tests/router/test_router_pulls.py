@@ -177,3 +177,41 @@ def test_the_router_learns_each_instances_prefill_time_and_shows_it(
         for s in pair[1]
     }
     assert any(v is not None and v > 0 for v in fitted.values()), text
+
+
+def burst(router: RouterProcess, tokens_of: list[list[int]]) -> list[tuple[str, int, str]]:
+    """Every prompt sent at once (a barrier), each answer's (text, cached, instance)."""
+    barrier = threading.Barrier(len(tokens_of))
+    answers: list[tuple[str, int, str] | None] = [None] * len(tokens_of)
+
+    def one(i: int) -> None:
+        barrier.wait()
+        answers[i] = complete(router.url, tokens_of[i], max_tokens=2)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(tokens_of))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert all(a is not None for a in answers)
+    return [a for a in answers if a is not None]
+
+
+def test_a_burst_sharing_a_new_prefix_computes_it_once(
+    pair: tuple[Path, list[Serve]], router: RouterProcess
+) -> None:
+    """Six requests sharing a new 512-token prefix, sent together: the first is computed
+    on one instance; the others wait for its prefix there (its events), then are routed to
+    it or pull it: one instance computes the 512 tokens, not both."""
+    shared = prompt(10, 512)
+    prompts = [shared + prompt(20 + i, 16) for i in range(6)]
+    answers = burst(router, prompts)
+    computed = sum(len(p) - cached for p, (_, cached, _) in zip(prompts, answers, strict=True))
+    assert computed <= 512 + 6 * 16 + 6 * 32, answers  # + each suffix's block and chunk
+    text = metrics(router.url)
+    waited = sum(
+        v or 0
+        for o in ("held", "ended")
+        if (v := value(text, "kvconnect_router_prefill_waits_total", outcome=o))
+    )
+    assert waited >= 1, text

@@ -1,0 +1,229 @@
+"""Placement with pulls (issue 33): three `kvconnect serve --model smollm2` instances with cpu
+and peer tiers behind `kvconnect router`, one line.
+
+Each scenario runs three ways, each with prefixes of its own (the instances' caches carry
+over between runs, so no run finds another's prefix):
+- today:   the router with `--no-pulls` (the scorer before pulls);
+- pulls:   the router with every instance named with its peer tier (`peer=`): a request may go
+           to another instance than the holder, which then pulls the prefix (`remote_kv_source`);
+- rr:      round robin, straight to the instances (no router).
+
+(a) fan-out burst: BURST requests sharing a new PREFIX-token prefix (each with SUFFIX tokens
+    of its own) sent at once. Reported: prompt tokens computed (the sum of prompt_tokens minus
+    cached_tokens over the answers: a count, which a busy machine does not blur) and TTFT
+    p50/p90 (one-token answers, so the whole answer's time).
+(b) hot prefix: HOT requests sharing one PREFIX-token system prompt, CONCURRENCY at a time.
+    Reported: requests per second, TTFT p50/p90, the requests each instance answered.
+(e) the pull crossover the router learned (its /metrics), beside bench/peer_pull.py's.
+
+Runs in about 10 minutes on this machine.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import statistics
+import sys
+import threading
+import time
+import urllib.request
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+try:
+    import routers
+except ImportError:  # imported as bench.placement
+    from bench import routers
+
+PREFIX, SUFFIX = 2048, 16
+BURST = 12
+HOT, CONCURRENCY = 24, 6
+INSTANCES = 3
+CHUNK = 128
+
+
+@dataclass
+class Run:
+    ttfts: list[float] = field(default_factory=list)
+    computed: int = 0
+    prompt: int = 0
+    where: Counter[str] = field(default_factory=Counter)
+    seconds: float = 0.0
+
+
+def instance_config(peer_port: int) -> str:
+    return json.dumps(
+        {
+            "kv_connector": "OffloadConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {
+                "chunk_size": CHUNK,
+                "tiers": [{"kind": "cpu", "max_bytes": 1 << 30}],
+                "peer": {"port": peer_port, "timeout_s": 10.0},
+            },
+        }
+    )
+
+
+def start_instances(ps: routers.Processes) -> list[tuple[str, int, int]]:
+    """(url, events port, peer port) of each instance (replay on events + 10000)."""
+    out = []
+    for i in range(INSTANCES):
+        port = routers.free_port((0, 10000, 20000))
+        peer = routers.free_port()
+        events = {
+            "enable_kv_cache_events": True,
+            "endpoint": f"tcp://127.0.0.1:{port + 10000}",
+            "replay_endpoint": f"tcp://127.0.0.1:{port + 20000}",
+        }
+        args = [sys.executable, "-m", "kvconnect.cli", "serve", "--model", "smollm2",
+                "--port", str(port), "--enable-prompt-tokens-details",
+                "--kv-events-config", json.dumps(events),
+                "--kv-transfer-config", instance_config(peer)]  # fmt: skip
+        ps.start(args, f"serve-{i}", f"http://127.0.0.1:{port}", timeout=300)
+        out.append((f"http://127.0.0.1:{port}", port + 10000, peer))
+    return out
+
+
+def start_router(ps: routers.Processes, instances: list[tuple[str, int, int]], pulls: bool) -> str:
+    port = routers.free_port()
+    args = [sys.executable, "-m", "kvconnect.cli", "router", "--model", "smollm2",
+            "--port", str(port)]  # fmt: skip
+    for url, ev, peer in instances:
+        spec = f"{url},tcp://127.0.0.1:{ev},tcp://127.0.0.1:{ev + 10000}"
+        args += ["--instance", f"{spec},peer=127.0.0.1:{peer}" if pulls else spec]
+    if not pulls:
+        args.append("--no-pulls")
+    name = "router-pulls" if pulls else "router-today"
+    ps.start(args, name, f"http://127.0.0.1:{port}")
+    return f"http://127.0.0.1:{port}"
+
+
+def complete(url: str, prompt: list[int]) -> tuple[float, str, int, int]:
+    """A one-token completion of `prompt`: seconds to its answer, the instance that answered
+    (when a router says), its cached and prompt tokens."""
+    body = json.dumps({"model": "smollm2", "prompt": prompt, "max_tokens": 1, "temperature": 0})
+    start, resp = routers.Client(url).post("/v1/completions", body)
+    data = resp.read()
+    elapsed = time.perf_counter() - start
+    if resp.status != 200:
+        raise RuntimeError(f"{url}: {resp.status}: {data[:300]!r}")
+    usage = json.loads(data)["usage"]
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+    return elapsed, resp.getheader("x-kvconnect-instance") or "", cached, usage["prompt_tokens"]
+
+
+def send(url: str, prompt: list[int], run: Run, lock: threading.Lock) -> None:
+    elapsed, where, cached, num_prompt = complete(url, prompt)
+    with lock:
+        run.ttfts.append(elapsed)
+        run.computed += num_prompt - cached
+        run.prompt += num_prompt
+        run.where[where or url] += 1
+
+
+def tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(100, 49000) for _ in range(n)]
+
+
+def scenario(
+    targets: list[str], prompts: list[list[int]], concurrency: int, first_alone: bool
+) -> Run:
+    """`prompts` to `targets` (one: a router; several: round robin), `concurrency` at a time;
+    with `first_alone`, the first prompt is answered before the others are sent."""
+    run, lock = Run(), threading.Lock()
+    start = time.perf_counter()
+    if first_alone:
+        send(targets[0], prompts[0], run, lock)
+        prompts = prompts[1:]
+    with ThreadPoolExecutor(concurrency) as pool:
+        sent = [
+            pool.submit(send, targets[(i + first_alone) % len(targets)], p, run, lock)
+            for i, p in enumerate(prompts)
+        ]
+        for f in sent:
+            f.result()  # a failed request fails the bench
+    run.seconds = time.perf_counter() - start
+    return run
+
+
+def metric_values(url: str, name: str) -> dict[str, float]:
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    return {m[1]: float(m[2]) for m in re.finditer(rf"^{name}\{{(.*)\}} (\S+)$", text, re.M)}
+
+
+def pct(xs: list[float], q: float) -> float:
+    return routers.pct(xs, q)
+
+
+def main() -> None:
+    rng = random.Random(33)
+    ps = routers.Processes()
+    runs: dict[tuple[str, str], Run] = {}
+    crossovers: dict[str, float] = {}
+    try:
+        instances = start_instances(ps)
+        urls = [u for u, _, _ in instances]
+        for u in urls:  # warm up each instance
+            complete(u, tokens(rng, 32))
+        targets = {
+            "today": [start_router(ps, instances, pulls=False)],
+            "pulls": [start_router(ps, instances, pulls=True)],
+            "rr": urls,
+        }
+        for way, where in targets.items():
+            shared = tokens(rng, PREFIX)
+            burst = [shared + tokens(rng, SUFFIX) for _ in range(BURST)]
+            runs["burst", way] = scenario(where, burst, BURST, first_alone=False)
+            system = tokens(rng, PREFIX)
+            hot = [system + tokens(rng, SUFFIX) for _ in range(HOT)]
+            runs["hot", way] = scenario(where, hot, CONCURRENCY, first_alone=True)
+            print(way, {k: (r.computed, r.where) for (k, w), r in runs.items() if w == way},
+                  file=sys.stderr, flush=True)  # fmt: skip
+        crossovers = metric_values(targets["pulls"][0], "kvconnect_router_pull_crossover_tokens")
+    finally:
+        ps.stop()
+
+    def burst_part(way: str) -> str:
+        r = runs["burst", way]
+        return (
+            f"{way} {r.computed} computed of {r.prompt}, TTFT p50/p90 "
+            f"{pct(r.ttfts, 0.5):.0f}/{pct(r.ttfts, 0.9):.0f} ms"
+        )
+
+    def hot_part(way: str) -> str:
+        r = runs["hot", way]
+        share = max(r.where.values()) / sum(r.where.values())
+        return (
+            f"{way} {len(r.ttfts) / r.seconds:.2f} req/s, TTFT p50/p90 "
+            f"{pct(r.ttfts, 0.5):.0f}/{pct(r.ttfts, 0.9):.0f} ms, busiest instance "
+            f"{share:.0%} ({'/'.join(str(n) for n in sorted(r.where.values(), reverse=True))})"
+        )
+
+    today, pulls = runs["burst", "today"], runs["burst", "pulls"]
+    hot_today, hot_pulls = runs["hot", "today"], runs["hot", "pulls"]
+    learned = [v for v in crossovers.values() if v != float("inf")]
+    crossover = (
+        f"{statistics.median(learned):.0f} tokens (median of {len(learned)} pairs)"
+        if learned
+        else "not measured (no pair had enough answers)"
+    )
+    print(
+        f"placement (kvconnect serve smollm2 x{INSTANCES}, cpu + peer tiers, chunk {CHUNK}): "
+        f"(a) burst of {BURST} sharing a new {PREFIX}-token prefix: "
+        + "; ".join(burst_part(w) for w in targets)
+        + f"; pulls/today computed {pulls.computed / max(1, today.computed):.2f}x (target <= 0.4),"
+        f" TTFT p90 {pct(pulls.ttfts, 0.9) / pct(today.ttfts, 0.9):.2f}x (target <= 0.6) | "
+        f"(b) hot {PREFIX}-token prefix, {HOT} requests, {CONCURRENCY} at a time: "
+        + "; ".join(hot_part(w) for w in targets)
+        + f"; pulls TTFT p90/today {pct(hot_pulls.ttfts, 0.9) / pct(hot_today.ttfts, 0.9):.2f}x"
+        f" (target <= 1) | (e) learned pull crossover: {crossover}"
+    )
+
+
+if __name__ == "__main__":
+    main()
