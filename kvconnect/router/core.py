@@ -317,6 +317,8 @@ class Router:
         holds yet, wait until its instance holds it (its events), its answer ends or
         MAX_PENDING_WAIT_S pass: then routing finds the prefix (and may pull it) instead of
         computing it once more (a burst sharing a new prefix is computed once)."""
+        if not self.pulls or len(self.instances) < 2:  # then routing is exactly as before
+            return
         deadline = time.monotonic() + MAX_PENDING_WAIT_S
         first = self._pending(token_ids, salt)
         if first is None:

