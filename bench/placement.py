@@ -74,11 +74,7 @@ def start_instances(ps: routers.Processes) -> list[tuple[str, int, int]]:
     for i in range(INSTANCES):
         port = routers.free_port((0, 10000, 20000))
         peer = routers.free_port()
-        events = {
-            "enable_kv_cache_events": True,
-            "endpoint": f"tcp://127.0.0.1:{port + 10000}",
-            "replay_endpoint": f"tcp://127.0.0.1:{port + 20000}",
-        }
+        events = {"enable_kv_cache_events": True}  # published on port + 10000, replay + 20000
         args = [sys.executable, "-m", "kvconnect.cli", "serve", "--model", "smollm2",
                 "--port", str(port), "--enable-prompt-tokens-details",
                 "--kv-events-config", json.dumps(events),

@@ -12,7 +12,9 @@ For an 8k-token prompt P1 (greedy, 16 tokens), in this order:
     3. cpu tier: vLLM's prefix cache reset (its own only), P1 again -> from the cpu tier
     4. disk tier: P2 and P3 (other 8k prompts) push P1 out of the cpu tier (demoted to disk),
        vLLM's cache reset, P1 again -> from the disk tier
-Answers 3 and 4 equal answer 2 token for token (the tiers give back vLLM's own KV bytes;
+    5. peer pull: a second server B, P1 naming A as its `remote_kv_source` -> B pulls P1's
+       chunks from A's tiers over the peer tier (the data port), into its GPU cache
+Answers 3, 4 and 5 equal answer 2 token for token (the tiers give back vLLM's own KV bytes;
 the suffix is computed as after a prefix hit). Where the KV came from is seen in the usage's
 cached tokens (vLLM holds none after its reset) and in the tiers' events (which tier holds
 P1's chunks; a disk hit is promoted to cpu). Exit 1 with the reason on the first failure.
@@ -129,11 +131,13 @@ class Events:
 
 
 class Server:
-    def __init__(self, model: Path, tp: int, work: Path) -> None:
-        self.model, self.tp, self.work = model, tp, work
+    def __init__(self, model: Path, tp: int, work: Path, name: str = "a") -> None:
+        self.model, self.tp, self.work = model, tp, work / name
+        self.work.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
-        self.events = f"ipc://{work}/events"  # vLLM binds ipc endpoints (a tcp host: connects)
-        self.log = work / f"vllm-tp{tp}.log"
+        self.peer_port = free_port()  # rank r serves on peer_port + r
+        self.events = f"ipc://{self.work}/events"  # vLLM binds ipc ones (a tcp host: connects)
+        self.log = work / f"vllm-tp{tp}-{name}.log"
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
@@ -148,7 +152,11 @@ class Server:
             "kv_connector_module_path": "kvconnect.vllm",
             "kv_role": "kv_both",
             "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {"chunk_size": CHUNK, "tiers": tiers},
+            "kv_connector_extra_config": {
+                "chunk_size": CHUNK,
+                "tiers": tiers,
+                "peer": {"port": self.peer_port, "timeout_s": 30},
+            },
         }
         events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": self.events}
         cmd = [
@@ -156,7 +164,7 @@ class Server:
             "--host", "127.0.0.1", "--port", str(self.port), "--served-model-name", "m",
             "--tensor-parallel-size", str(self.tp), "--max-model-len", "8192",
             "--block-size", str(BLOCK), "--enable-prefix-caching", "--enforce-eager",
-            "--gpu-memory-utilization", "0.4", "--dtype", "bfloat16",
+            "--gpu-memory-utilization", "0.35", "--dtype", "bfloat16",
             "--enable-prompt-tokens-details",
             "--kv-transfer-config", json.dumps(transfer),
             "--kv-events-config", json.dumps(events),
@@ -197,14 +205,19 @@ class Server:
         with urllib.request.urlopen(req, timeout=WAIT_TIMEOUT) as resp:
             return json.load(resp)
 
-    def complete(self, prompt: list[int]) -> tuple[list[int], float, int]:
+    def complete(
+        self, prompt: list[int], source: Server | None = None
+    ) -> tuple[list[int], float, int]:
         """(the greedy answer's token ids, TTFT in ms, prompt tokens vLLM did not compute) of
-        a streamed completion."""
-        body = {
+        a streamed completion; with `source`, pulling what it holds of `prompt`."""
+        body: dict[str, Any] = {
             "model": "m", "prompt": prompt, "max_tokens": OUTPUT_TOKENS, "temperature": 0.0,
             "ignore_eos": True, "stream": True, "return_token_ids": True,
             "stream_options": {"include_usage": True},
         }  # fmt: skip
+        if source is not None:
+            peer = {"host": "127.0.0.1", "port": source.peer_port}
+            body["kv_transfer_params"] = {"remote_kv_source": peer}
         req = urllib.request.Request(
             f"http://127.0.0.1:{self.port}/v1/completions",
             data=json.dumps(body).encode(),
@@ -257,7 +270,16 @@ def from_tier(server: Server, prompt: list[int], tier: str) -> tuple[list[int], 
     return answer, ttft
 
 
-def run_checks(server: Server, name: str) -> str:
+def pulled(server: Server, puller: Server, prompt: list[int]) -> tuple[list[int], float]:
+    """`prompt` on `puller`, which holds none of it, pulling it from `server`'s tiers."""
+    answer, ttft, cached = puller.complete(prompt, source=server)
+    loadable = (PROMPT_TOKENS - 1) // CHUNK * CHUNK
+    if cached < loadable:
+        fail(f"the peer pull brought {cached} prompt tokens, not {loadable}")
+    return answer, ttft
+
+
+def run_checks(server: Server, name: str, puller: Server) -> str:
     p1, p2, p3 = prompts()
     n = PROMPT_TOKENS // CHUNK
     events = Events(server.events)
@@ -279,6 +301,8 @@ def run_checks(server: Server, name: str) -> str:
             fail("P1's chunks are still in the cpu tier after two other prompts")
     answers["disk"], ttft["disk"] = from_tier(server, p1, "disk")
     events.wait_until(lambda held: all(("CPU", k) in held for k in p1_keys), "P1 promoted")
+    puller.start()
+    answers["peer"], ttft["peer"] = pulled(server, puller, p1)
     for tier, answer in answers.items():
         if answer != reference:
             fail(f"{tier} tier answer {answer} != vLLM prefix hit answer {reference}")
@@ -289,20 +313,24 @@ def run_checks(server: Server, name: str) -> str:
     return (
         f"gpu {name}: {PROMPT_TOKENS}-token prompt TTFT: recompute {t_recompute:.0f} ms, "
         f"vLLM prefix hit {t_prefix:.0f} ms, cpu tier {ttft['cpu']:.0f} ms, disk tier "
-        f"{ttft['disk']:.0f} ms; cpu/prefix hit {ttft['cpu'] / t_prefix:.2f}; answers after "
-        f"cpu and disk loads equal the prefix hit's; recompute's {same}; {n} chunk events once each"
+        f"{ttft['disk']:.0f} ms, pulled from a peer {ttft['peer']:.0f} ms; cpu/prefix hit "
+        f"{ttft['cpu'] / t_prefix:.2f}; answers after cpu, disk and peer loads equal the prefix "
+        f"hit's; recompute's {same}; {n} chunk events once each"
     )
 
 
 def serve(args: argparse.Namespace) -> None:
     work = Path(tempfile.mkdtemp(prefix=f"kvc-gpu-tp{args.tp}-", dir=args.work))
     server = Server(Path(args.model), args.tp, work)
+    puller = Server(Path(args.model), args.tp, work, "b")
     try:
         server.start()
-        print(run_checks(server, f"{args.name} TP={args.tp}"), flush=True)
+        print(run_checks(server, f"{args.name} TP={args.tp}", puller), flush=True)
     finally:
-        server.stop()
-        shutil.copy(server.log, work.parent / server.log.name)  # kept for a post-mortem
+        for s in (puller, server):
+            s.stop()
+            if s.log.exists():
+                shutil.copy(s.log, work.parent / s.log.name)  # kept for a post-mortem
     shutil.rmtree(work, ignore_errors=True)
 
 
