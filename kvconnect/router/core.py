@@ -21,6 +21,7 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass
+from functools import partial
 from typing import NamedTuple
 from urllib.parse import urlsplit
 
@@ -398,6 +399,7 @@ class Router:
             num_blocks,
             sources or (),
             self.costs.pull_tokens if sources else None,
+            partial(self.costs.load_tokens, default_weight=self.load_weight) if sources else None,
         )
         source = self._by_name[decision.source] if decision.source else None
         return Picked(self._by_name[decision.instance], decision.score, source)
@@ -422,9 +424,11 @@ class Router:
         source: str | None,
         elapsed_s: float,
         body: bytes,
+        queued: int = 0,
     ) -> None:
-        """A whole answer from `name` (sent with `source` to pull from), `elapsed_s` after
-        the request left: one measurement of its costs (costs.py), when it says its usage."""
+        """A whole answer from `name` (sent with `source` to pull from, while `queued` other
+        requests were in flight there), `elapsed_s` after the request left: one measurement
+        of its costs (costs.py), when it says its usage."""
         try:
             usage = _COUNTS.decode(body).usage
         except (msgspec.DecodeError, msgspec.ValidationError):
@@ -434,7 +438,9 @@ class Router:
         cached = usage.prompt_tokens_details.cached_tokens or 0
         computed = max(0, usage.prompt_tokens - cached)
         pulled = max(0, cached - score.num_tokens) if source else 0
-        self.costs.observe(name, elapsed_s, computed, usage.completion_tokens, source, pulled)
+        self.costs.observe(
+            name, elapsed_s, computed, usage.completion_tokens, source, pulled, queued
+        )
 
     def prompt_tokens(self, req: CompletionRequest | ChatCompletionRequest) -> list[int]:
         """The tokens the engines will see first: a chat rendered with the chat template, or

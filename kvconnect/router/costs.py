@@ -3,16 +3,17 @@ answers the router relays (issue 33, item 1).
 
 Every whole JSON answer with usage is one measurement at the instance i that gave it:
 
-    elapsed  ~  a_i + b_i * computed + d_i * completion            (no pull)
-    elapsed  ~  a_i + b_i * computed + d_i * completion + f_ji + c_ji * pulled
-                                                       (sent with remote_kv_source j)
+    elapsed  ~  a_i + b_i * computed + d_i * completion + q_i * queued       (no pull)
+    elapsed  ~  (the same) + f_ji + c_ji * pulled           (sent with remote_kv_source j)
 
     computed    prompt_tokens - cached_tokens: what i prefilled
     completion  completion_tokens: what i decoded
+    queued      the router's requests in flight at i when it was sent
     pulled      the cached tokens beyond what the index credited i with: what came from j
 
-(a, b, d) per instance is a least-squares fit over its answers without a pull; (f, c) per
-pair, over what each pulled answer took beyond that fit. Both fits weigh each answer by
+(a, b, d, q) per instance is a least-squares fit over its answers without a pull; (f, c) per
+pair, over what each pulled answer took beyond that fit (f = 0 while every pull moved as
+many tokens: then only their cost per token is known). Both fits weigh each answer by
 DECAY per later one (a half-life of ~35 answers), so they follow an instance that speeds up
 or slows down. A fit stands once it has MIN_ANSWERS answers whose x varied.
 
@@ -21,7 +22,9 @@ enters it as `pull_tokens(j, i, n)`: what pulling n tokens from j costs i, in to
 compute in that time, (f_ji + c_ji * n) / b_i. Until both fits stand, PRIOR_PULL_RATIO * n:
 a first pull is tried only where the holder leads by a lot, and its answer measures the pair.
 The crossover of a pair, the prompt length below which computing costs less than pulling,
-is f_ji / (b_i - c_ji) (none when a pulled token costs as much as a computed one).
+is f_ji / (b_i - c_ji) (none when a pulled token costs as much as a computed one). A request
+in flight costs the next one q_i / b_i tokens (`load_tokens`), once the answers have come
+at different loads; until then the router's `--load-weight`.
 """
 
 from __future__ import annotations
@@ -50,8 +53,8 @@ class _Fit:
         self.count = 0
         self.weight = 0.0
         self._x_first: tuple[float, ...] | None = None
-        self.varied = False
-        """Some x differed from the first one: the slopes are identified."""
+        self.varied = [False] * num_features
+        """Per feature, whether some x differed from the first one (its slope is known)."""
 
     def add(self, x: tuple[float, ...], y: float) -> None:
         row = (1.0, *x)
@@ -65,13 +68,14 @@ class _Fit:
         self.count += 1
         if self._x_first is None:
             self._x_first = x
-        elif x[0] != self._x_first[0]:
-            self.varied = True
+        else:
+            for i, (a, b) in enumerate(zip(x, self._x_first, strict=True)):
+                self.varied[i] = self.varied[i] or a != b
 
     def solve(self) -> list[float] | None:
         """The coefficients (intercept first); None until MIN_ANSWERS answers whose first
         x varied."""
-        if self.count < MIN_ANSWERS or not self.varied:
+        if self.count < MIN_ANSWERS or not self.varied[0]:
             return None
         n = self.n
         scale = max(self.xx[i][i] for i in range(n))
@@ -99,6 +103,8 @@ class InstanceCost:
     fixed_s: float
     prefill_s_per_token: float
     decode_s_per_token: float
+    queue_s_per_request: float | None = None
+    """What each request already in flight adds (None: never seen at different loads)."""
 
 
 @dataclass(frozen=True)
@@ -125,16 +131,20 @@ class CostModel:
         completion: int,
         source: str | None = None,
         pulled: int = 0,
+        queued: int = 0,
     ) -> None:
         """One answer: `instance` took `elapsed_s` for a request it computed `computed` prompt
-        tokens and decoded `completion` of; sent with `source` named, `pulled` tokens came
-        from it. A pulled answer is counted once the instance's own fit stands."""
-        if not (math.isfinite(elapsed_s) and elapsed_s >= 0 and computed >= 0 <= completion):
+        tokens and decoded `completion` of, sent while `queued` others were in flight there;
+        sent with `source` named, `pulled` tokens came from it. A pulled answer is counted
+        once the instance's own fit stands."""
+        if not (
+            math.isfinite(elapsed_s) and elapsed_s >= 0 and min(computed, completion, queued) >= 0
+        ):
             return
         with self._lock:
             if source is None:
-                self._instances.setdefault(instance, _Fit(2)).add(
-                    (float(computed), float(completion)), elapsed_s
+                self._instances.setdefault(instance, _Fit(3)).add(
+                    (float(computed), float(completion), float(queued)), elapsed_s
                 )
                 return
             own = self._own(instance)
@@ -144,6 +154,7 @@ class CostModel:
                 own.fixed_s
                 + own.prefill_s_per_token * computed
                 + own.decode_s_per_token * completion
+                + (own.queue_s_per_request or 0.0) * queued
             )
             self._pairs.setdefault((source, instance), _Fit(1)).add((float(pulled),), rest)
 
@@ -152,13 +163,16 @@ class CostModel:
         coef = fit.solve() if fit is not None else None
         if coef is None or coef[1] <= 0:
             return None
-        return InstanceCost(coef[0], coef[1], coef[2])
+        queue = max(0.0, coef[3]) if fit is not None and fit.varied[2] else None
+        return InstanceCost(coef[0], coef[1], coef[2], queue)
 
     def _pull(self, source: str, instance: str) -> PullCost | None:
         fit = self._pairs.get((source, instance))
-        coef = fit.solve() if fit is not None else None
-        if coef is None:
+        if fit is None or fit.count < MIN_ANSWERS:
             return None
+        coef = fit.solve()
+        if coef is None:  # pulls of one size: their cost per token, through the origin
+            return PullCost(0.0, max(0.0, fit.xy[1] / fit.xx[1][1]))
         return PullCost(max(0.0, coef[0]), max(0.0, coef[1]))
 
     def instance(self, name: str) -> InstanceCost | None:
@@ -177,6 +191,15 @@ class CostModel:
         if own is None or pull is None:
             return PRIOR_PULL_RATIO * pulled
         return (pull.fixed_s + pull.s_per_token * pulled) / own.prefill_s_per_token
+
+    def load_tokens(self, instance: str, load: int, default_weight: float) -> float:
+        """What `load` requests in flight at `instance` cost a new one there, in prompt
+        tokens it computes meanwhile; `default_weight` a request until measured."""
+        with self._lock:
+            own = self._own(instance)
+        if own is None or own.queue_s_per_request is None:
+            return default_weight * load
+        return own.queue_s_per_request * load / own.prefill_s_per_token
 
     def crossover(self, source: str, instance: str) -> float | None:
         """Prompt tokens below which `instance` computes faster than it pulls from `source`:

@@ -60,6 +60,7 @@ async def forward(
     `source`, the instance named to pull from: `Router.learn`). `authorization` goes to the
     instance as that header."""
     start = time.perf_counter()
+    queued = router.in_flight[instance.name] - 1  # the others in flight there
     try:
         upstream = await pool.post(instance.url, request.path, raw, authorization=authorization)
     except UpstreamTimeout as e:
@@ -89,7 +90,8 @@ async def forward(
             ):
                 router.check_cached(instance.name, score, check, body)
             if upstream.status == 200 and b'"prompt_tokens_details"' in body:
-                router.learn(instance.name, score, source, time.perf_counter() - start, body)
+                elapsed = time.perf_counter() - start
+                router.learn(instance.name, score, source, elapsed, body, queued)
             return Response(upstream.status, body, content_type, headers)
         streamed = True
         stream = _relay_stream(upstream, instance, router)

@@ -56,8 +56,11 @@ class RouterMetrics(Collector):
             ("decode_seconds_per_token", "Fitted time per generated token.",
              "decode_s_per_token"),
             ("fixed_seconds", "Fitted time of a request beyond its tokens.", "fixed_s"),
+            ("queue_seconds_per_request", "Fitted time each request in flight adds.",
+             "queue_s_per_request"),
         ):  # fmt: skip
-            yield _labelled(G, name, doc, "instance", {n: getattr(c, attr) for n, c in own.items()})
+            values = {n: v for n, c in own.items() if (v := getattr(c, attr)) is not None}
+            yield _labelled(G, name, doc, "instance", values)
         pair = ["source", "instance"]
         per_token = G(PREFIX + "pull_seconds_per_token", "Fitted pull time per token.", labels=pair)
         fixed = G(PREFIX + "pull_fixed_seconds", "Fitted time of a pull beyond its tokens.",

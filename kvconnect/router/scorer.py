@@ -55,6 +55,7 @@ def choose(
     num_blocks: Mapping[str, int] | None = None,
     sources: Sequence[str] = (),
     pull_tokens: PullTokens | None = None,
+    load_tokens: Callable[[str, int], float] | None = None,
 ) -> Decision:
     """The cheapest of `candidates` (non-empty) for a request of `num_tokens` prompt tokens.
     With `sources` (instances that serve pulls) and `pull_tokens`, each candidate may also
@@ -64,7 +65,8 @@ def choose(
                      + pull_tokens(j, i, held(j) - held(i)) + load_weight * in_flight(i)
 
     the prompt past j's prefix computed, i's own hit as usual, the difference pulled. At
-    equal cost, no pull."""
+    equal cost, no pull. `load_tokens(i, in_flight(i))`, where given, replaces
+    load_weight * in_flight(i) (the measured cost of a queue, costs.py)."""
     if not candidates:
         raise ValueError("no instance to route to")
     best: tuple[float, int, int, int, int, int] | None = None
@@ -74,7 +76,7 @@ def choose(
     for order, name in enumerate(candidates):
         score = scores.get(name) or empty
         load = loads.get(name, 0)
-        on_load = load_weight * load
+        on_load = load_weight * load if load_tokens is None else load_tokens(name, load)
         spread = -xxhash.xxh3_64_intdigest(name.encode(), seed=spread_key & (2**64 - 1))
         tie = (load, sizes.get(name, 0), spread, order)
         cost = (num_tokens - score.weighted_tokens) + on_load

@@ -126,3 +126,32 @@ def test_common_prefix_counts_the_leading_tokens_two_prompts_share() -> None:
         while n < min(len(a), len(b)) and a[n] == b[n]:
             n += 1
         assert common_prefix(a, b) == n
+
+
+def test_pulls_of_one_size_give_a_cost_per_token() -> None:
+    model = CostModel()
+    rng = random.Random(8)
+    answers(model, rng, 30, fixed=0.05, prefill=0.002, decode=0.01)
+    for _ in range(3):
+        model.observe("b", 0.05 + 0.002 * 16 + 0.01 * 8 + 0.2, 16, 8, source="a", pulled=2048)
+    assert model.pull("a", "b") is None  # three answers: not yet
+    model.observe("b", 0.05 + 0.002 * 16 + 0.01 * 8 + 0.2, 16, 8, source="a", pulled=2048)
+    pull = model.pull("a", "b")
+    assert pull is not None and pull.fixed_s == 0.0
+    assert pull.s_per_token == pytest.approx(0.2 / 2048, rel=0.05)
+    assert model.crossover("a", "b") == 0.0
+
+
+def test_a_queue_costs_what_the_answers_say_once_they_came_at_different_loads() -> None:
+    model = CostModel()
+    rng = random.Random(9)
+    answers(model, rng, 30, fixed=0.05, prefill=0.002, decode=0.01)
+    assert model.load_tokens("b", 3, default_weight=64) == 3 * 64  # never seen loaded
+    for _ in range(60):
+        computed, queued = rng.randrange(16, 4096), rng.randrange(0, 6)
+        elapsed = 0.05 + 0.002 * computed + 0.01 * 8 + 0.3 * queued + rng.uniform(-0.002, 0.002)
+        model.observe("b", elapsed, computed, 8, queued=queued)
+    cost = model.instance("b")
+    assert cost is not None and cost.queue_s_per_request == pytest.approx(0.3, rel=0.05)
+    assert model.load_tokens("b", 2, default_weight=64) == pytest.approx(2 * 0.3 / 0.002, rel=0.05)
+    assert model.load_tokens("a", 2, default_weight=64) == 128  # another instance

@@ -118,3 +118,16 @@ def test_without_sources_the_choice_is_todays() -> None:
         )
         no_cost = choose(names, scores, loads, PROMPT, spread_key=key, sources=names)
         assert no_sources == today and no_cost == today
+
+
+def test_a_measured_queue_cost_replaces_the_load_weight() -> None:
+    """A holds 10 of 12 blocks with 2 in flight: at 64 tokens a request B pulls (as above);
+    where A's queue was measured at 10 tokens a request, A runs it."""
+    loads = {A: 2}
+    pulled = choose([A, B], {A: s(10)}, loads, PROMPT, sources=[A], pull_tokens=flat(0.25))
+    assert pulled.instance == B
+    cheap = choose(
+        [A, B], {A: s(10)}, loads, PROMPT, sources=[A], pull_tokens=flat(0.25),
+        load_tokens=lambda _name, n: 10.0 * n,
+    )  # fmt: skip
+    assert (cheap.instance, cheap.source, cheap.cost) == (A, None, 2 * BS + 20)
