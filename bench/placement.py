@@ -2,7 +2,9 @@
 and peer tiers behind `kvconnect router`, one line.
 
 Each scenario runs three ways, each with prefixes of its own (the instances' caches carry
-over between runs, so no run finds another's prefix):
+over between runs, so no run finds another's prefix), after the same warm-up traffic (15
+prompts of 64-1,024 tokens, 3 at a time: a router that has served a while has measured its
+instances):
 - today:   the router with `--no-pulls` (the scorer before pulls);
 - pulls:   the router with every instance named with its peer tier (`peer=`): a request may go
            to another instance than the holder, which then pulls the prefix (`remote_kv_source`);
@@ -172,6 +174,10 @@ def main() -> None:
             "rr": urls,
         }
         for way, where in targets.items():
+            # Traffic before the scenarios, the same for each way: a router that has served
+            # a while has measured its instances (costs.py); it is not reported.
+            warm = [tokens(rng, n) for n in (64, 256, 512, 1024, 128) * 3]
+            scenario(where, warm, INSTANCES, first_alone=False)
             shared = tokens(rng, PREFIX)
             burst = [shared + tokens(rng, SUFFIX) for _ in range(BURST)]
             runs["burst", way] = scenario(where, burst, BURST, first_alone=False)

@@ -7,7 +7,7 @@ OffloadConnector inside `vllm serve` (vLLM 0.33, CUDA) with a cpu and a disk tie
 
 For an 8k-token prompt P1 (greedy, 16 tokens), in this order:
     1. recompute: P1 cold; its chunks reach the cpu tier, one BlockStored each (TP ranks
-       report them once), no other
+       report them once), and its tail (the blocks past them), no other
     2. vLLM prefix hit: P1 again (the reference answer)
     3. cpu tier: vLLM's prefix cache reset (its own only), P1 again -> from the cpu tier
     4. disk tier: P2 and P3 (other 8k prompts) push P1 out of the cpu tier (demoted to disk),
@@ -270,6 +270,13 @@ def from_tier(server: Server, prompt: list[int], tier: str) -> tuple[list[int], 
     return answer, ttft
 
 
+def entries() -> int:
+    """What a finished P1 leaves in the cpu tier: its whole chunks, and a tail (the blocks
+    its prompt and answer fill past them, a chunk of fewer blocks) where there are any."""
+    full = (PROMPT_TOKENS + OUTPUT_TOKENS - 1) // BLOCK * BLOCK  # the last token has no KV
+    return full // CHUNK + (1 if full % CHUNK else 0)
+
+
 def pulled(server: Server, puller: Server, prompt: list[int]) -> tuple[list[int], float]:
     """`prompt` on `puller`, which holds none of it, pulling it from `server`'s tiers."""
     answer, ttft, cached = puller.complete(prompt, source=server)
@@ -281,7 +288,7 @@ def pulled(server: Server, puller: Server, prompt: list[int]) -> tuple[list[int]
 
 def run_checks(server: Server, name: str, puller: Server) -> str:
     p1, p2, p3 = prompts()
-    n = PROMPT_TOKENS // CHUNK
+    n = entries()
     events = Events(server.events)
     time.sleep(1)  # the subscription reaches the publisher before the first event
     recompute, t_recompute, _ = server.complete(p1)
@@ -290,7 +297,7 @@ def run_checks(server: Server, name: str, puller: Server) -> str:
     with events.lock:
         p1_keys = {ev.block_hashes[-1] for ev in events.stored["CPU"]}
     if events.count("CPU") != n or len(p1_keys) != n:
-        fail(f"P1's {n} chunks were announced {events.count('CPU')} times in the cpu tier")
+        fail(f"P1's {n} entries were announced {events.count('CPU')} times in the cpu tier")
     answers, ttft = {}, {}
     answers["cpu"], ttft["cpu"] = from_tier(server, p1, "cpu")  # the cpu tier holds them all
     for other in (p2, p3):
@@ -315,7 +322,7 @@ def run_checks(server: Server, name: str, puller: Server) -> str:
         f"vLLM prefix hit {t_prefix:.0f} ms, cpu tier {ttft['cpu']:.0f} ms, disk tier "
         f"{ttft['disk']:.0f} ms, pulled from a peer {ttft['peer']:.0f} ms; cpu/prefix hit "
         f"{ttft['cpu'] / t_prefix:.2f}; answers after cpu, disk and peer loads equal the prefix "
-        f"hit's; recompute's {same}; {n} chunk events once each"
+        f"hit's; recompute's {same}; {n} cpu-tier entries announced once each"
     )
 
 

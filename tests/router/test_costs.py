@@ -155,3 +155,17 @@ def test_a_queue_costs_what_the_answers_say_once_they_came_at_different_loads() 
     assert cost is not None and cost.queue_s_per_request == pytest.approx(0.3, rel=0.05)
     assert model.load_tokens("b", 2, default_weight=64) == pytest.approx(2 * 0.3 / 0.002, rel=0.05)
     assert model.load_tokens("a", 2, default_weight=64) == 128  # another instance
+
+
+def test_pulled_answers_before_the_instances_fit_count_once_it_stands() -> None:
+    model = CostModel()
+    rng = random.Random(10)
+    for _ in range(6):  # pulls first: the instance has no fit yet
+        pulled = rng.randrange(256, 4096)
+        model.observe(
+            "b", 0.05 + 0.002 * 16 + 0.01 * 8 + 0.03 + 0.0001 * pulled, 16, 8, "a", pulled
+        )
+    assert model.pull("a", "b") is None
+    answers(model, rng, 30, fixed=0.05, prefill=0.002, decode=0.01)
+    pull = model.pull("a", "b")
+    assert pull is not None and pull.s_per_token == pytest.approx(0.0001, rel=0.1)
