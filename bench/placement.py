@@ -101,17 +101,9 @@ def start_router(ps: routers.Processes, instances: list[tuple[str, int, int]], p
 
 
 def complete(url: str, prompt: list[int]) -> tuple[float, str, int, int]:
-    """A one-token completion of `prompt`: seconds to its answer, the instance that answered
-    (when a router says), its cached and prompt tokens."""
-    body = json.dumps({"model": "smollm2", "prompt": prompt, "max_tokens": 1, "temperature": 0})
-    start, resp = routers.Client(url).post("/v1/completions", body)
-    data = resp.read()
-    elapsed = time.perf_counter() - start
-    if resp.status != 200:
-        raise RuntimeError(f"{url}: {resp.status}: {data[:300]!r}")
-    usage = json.loads(data)["usage"]
-    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-    return elapsed, resp.getheader("x-kvconnect-instance") or "", cached, usage["prompt_tokens"]
+    """A one-token completion of `prompt` (routers.Client's): seconds to its answer, the
+    instance that answered (when a router says), its cached and prompt tokens."""
+    return routers.Client(url).complete(prompt, model="smollm2")
 
 
 def send(url: str, prompt: list[int], run: Run, lock: threading.Lock) -> None:

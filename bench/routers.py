@@ -202,11 +202,13 @@ class Client:
                     raise
         raise AssertionError("unreachable")
 
-    def complete(self, prompt: list[int], stream: bool = False) -> tuple[float, str, int, int]:
+    def complete(
+        self, prompt: list[int], stream: bool = False, model: str = "tiny"
+    ) -> tuple[float, str, int, int]:
         """(seconds to the whole answer, or streamed to its first byte; the instance that
         answered when the router says so; cached and prompt tokens, non-streamed only)."""
         body = json.dumps(
-            {"model": "tiny", "prompt": prompt, "max_tokens": 1, "temperature": 0, "stream": stream}
+            {"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0, "stream": stream}
         )
         start, resp = self.post("/v1/completions", body)
         where = resp.getheader("x-kvconnect-instance") or ""

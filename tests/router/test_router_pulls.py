@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-import json
 import random
 import re
 import threading
@@ -22,23 +21,10 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import free_port, wait_for
+from tests.router.test_router_pd import config
 from tests.serving import RouterProcess, Serve, get, post
 
 pytestmark = pytest.mark.slow
-
-
-def config(peer_port: int) -> str:
-    return json.dumps(
-        {
-            "kv_connector": "OffloadConnector",
-            "kv_role": "kv_both",
-            "kv_connector_extra_config": {
-                "chunk_size": 32,
-                "tiers": [{"kind": "cpu", "max_bytes": 1 << 27}],
-                "peer": {"port": peer_port, "timeout_s": 2.0},
-            },
-        }
-    )
 
 
 def prompt(seed: int, n: int = 150) -> list[int]:
