@@ -73,6 +73,9 @@ MIN_PENDING_TOKENS = 256
 there until the index shows them (or its answer ends): a request arriving meanwhile that
 shares at least this many of its tokens waits for them (`Router.wait_for_prefill`)."""
 MAX_PENDING_WAIT_S = 30.0
+EVENTS_GRACE_S = 5.0
+"""How long a prefill whose answer ended stays pending for its events (they may come after
+the answer: a request then routed would find no holder and compute the prefix again)."""
 
 StaleCheck = tuple[list[int], str | None]
 """(prompt token ids, cache salt): what to check an answer's cached tokens against."""
@@ -150,6 +153,8 @@ class Prefill:
     tokens: list[int]
     cache_salt: str | None
     started: float
+    ended: float | None = None
+    """When its answer ended (`time.monotonic()`); None while it runs."""
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -288,15 +293,18 @@ class Router:
         return p
 
     def prefilled(self, p: Prefill) -> None:
-        with self.lock:
-            if p in self.prefills:
-                self.prefills.remove(p)
+        """`p`'s answer ended: pending for EVENTS_GRACE_S more, for its events."""
+        p.ended = time.monotonic()
         self._wake()
 
     def _pending(self, token_ids: list[int], salt: str | None) -> tuple[Prefill, int] | None:
         """The prefill sharing the most (at least MIN_PENDING_TOKENS) of `token_ids`, and how
         many, where no instance holds that many of them yet."""
+        now = time.monotonic()
         with self.lock:
+            self.prefills = [
+                p for p in self.prefills if p.ended is None or now - p.ended < EVENTS_GRACE_S
+            ]
             prefills = list(self.prefills)
         best: tuple[Prefill, int] | None = None
         for p in prefills:
@@ -332,15 +340,19 @@ class Router:
             pending = self._pending(token_ids, salt)
             if pending is None:
                 with self.lock:
-                    gone = pending is None and first[0] not in self.prefills
+                    gone = first[0] not in self.prefills
                 self.waited["ended" if gone else "held"] += 1
                 return
             left = deadline - time.monotonic()
+            ended = pending[0].ended
+            if ended is not None:  # its events' grace runs out before any batch may come
+                left = min(left, ended + EVENTS_GRACE_S - time.monotonic() + 0.01)
             try:
                 await asyncio.wait_for(future, max(0.0, left))
             except TimeoutError:
-                self.waited["timeout"] += 1
-                return
+                if time.monotonic() >= deadline:
+                    self.waited["timeout"] += 1
+                    return
 
     def close(self) -> None:
         if self.subscriber is not None:
