@@ -43,27 +43,31 @@ class _Details(msgspec.Struct):
     cached_tokens: int | None = 0
 
 
-class _Usage(msgspec.Struct):
-    prompt_tokens_details: _Details | None = None
+class Usage(msgspec.Struct):
+    """An answer's usage, as far as the router reads it."""
 
-
-class _Answer(msgspec.Struct):
-    usage: _Usage | None = None
-
-
-class _Counts(msgspec.Struct):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     prompt_tokens_details: _Details | None = None
 
 
-class _Measured(msgspec.Struct):
-    usage: _Counts | None = None
+class _Answer(msgspec.Struct):
+    usage: Usage | None = None
 
 
 _USAGE = msgspec.json.Decoder(_Answer)
 """An answer's usage alone (the rest of the body is skipped in C)."""
-_COUNTS = msgspec.json.Decoder(_Measured)
+
+
+def usage_of(body: bytes) -> Usage | None:
+    """A whole JSON answer's usage with its cached-token count; None if it has none (an
+    instance without --enable-prompt-tokens-details) or is not JSON."""
+    try:
+        usage = _USAGE.decode(body).usage
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+    return usage if usage is not None and usage.prompt_tokens_details is not None else None
+
 
 HTTP_DEFAULT_PORT = 80
 """An instance URL without a port means this one (`Instance.port`)."""
@@ -435,18 +439,13 @@ class Router:
         score: PrefixScore,
         source: str | None,
         elapsed_s: float,
-        body: bytes,
+        usage: Usage,
         queued: int = 0,
     ) -> None:
-        """A whole answer from `name` (sent with `source` to pull from, while `queued` other
-        requests were in flight there), `elapsed_s` after the request left: one measurement
-        of its costs (costs.py), when it says its usage."""
-        try:
-            usage = _COUNTS.decode(body).usage
-        except (msgspec.DecodeError, msgspec.ValidationError):
-            return
-        if usage is None or usage.prompt_tokens_details is None:
-            return
+        """A whole answer from `name` with `usage` (`usage_of`; sent with `source` to pull
+        from, while `queued` other requests were in flight there), `elapsed_s` after the
+        request left: one measurement of its costs (costs.py)."""
+        assert usage.prompt_tokens_details is not None
         cached = usage.prompt_tokens_details.cached_tokens or 0
         computed = max(0, usage.prompt_tokens - cached)
         pulled = max(0, cached - score.num_tokens) if source else 0
@@ -468,18 +467,12 @@ class Router:
         first = req.prompts()[0]
         return first if isinstance(first, list) else self.tokenizer.encode(first)
 
-    def check_cached(self, name: str, score: PrefixScore, check: StaleCheck, body: bytes) -> None:
-        """The instance's own count of cached prompt tokens against what the index credited
-        it: fewer means the index holds entries the instance no longer has
-        (`BlockIndex.mark_stale`)."""
-        try:
-            usage = _USAGE.decode(body).usage
-        except (msgspec.DecodeError, msgspec.ValidationError):
-            return
-        details = usage.prompt_tokens_details if usage is not None else None
-        if details is None:  # an instance without --enable-prompt-tokens-details: no count
-            return
-        cached = details.cached_tokens or 0
+    def check_cached(self, name: str, score: PrefixScore, check: StaleCheck, usage: Usage) -> None:
+        """The instance's own count of cached prompt tokens (`usage_of` its answer) against
+        what the index credited it: fewer means the index holds entries the instance no
+        longer has (`BlockIndex.mark_stale`)."""
+        assert usage.prompt_tokens_details is not None
+        cached = usage.prompt_tokens_details.cached_tokens or 0
         if cached < score.num_tokens:
             with self.lock:
                 dropped = self.index.mark_stale(name, check[0], cached, check[1])

@@ -25,7 +25,7 @@ from kvconnect.http.client import (
     UpstreamTimeout,
 )
 from kvconnect.http.h1_server import Request, Response
-from kvconnect.router.core import Instance, Router, StaleCheck
+from kvconnect.router.core import Instance, Router, StaleCheck, usage_of
 from kvconnect.router.index import PrefixScore
 
 logger = logging.getLogger(__name__)
@@ -81,17 +81,15 @@ async def forward(
             except UpstreamBroken as e:
                 logger.warning("router: %s failed mid-answer: %s", instance.name, e)
                 return Response(502, _BROKEN)
-            if (
-                check is not None
-                and upstream.status == 200
-                and score.num_tokens > 0
-                and content_type.startswith("application/json")
-                and b'"prompt_tokens_details"' in body  # absent: the instance does not say
-            ):
-                router.check_cached(instance.name, score, check, body)
+            # absent: the instance does not say (then the body is not even decoded)
             if upstream.status == 200 and b'"prompt_tokens_details"' in body:
                 elapsed = time.perf_counter() - start
-                router.learn(instance.name, score, source, elapsed, body, queued)
+                usage = usage_of(body)  # once, for both
+                if usage is not None:
+                    json_answer = content_type.startswith("application/json")
+                    if check is not None and score.num_tokens > 0 and json_answer:
+                        router.check_cached(instance.name, score, check, usage)
+                    router.learn(instance.name, score, source, elapsed, usage, queued)
             return Response(upstream.status, body, content_type, headers)
         streamed = True
         stream = _relay_stream(upstream, instance, router)
