@@ -156,7 +156,6 @@ class Prefill:
     instance: str
     tokens: list[int]
     cache_salt: str | None
-    started: float
     ended: float | None = None
     """When its answer ended (`time.monotonic()`); None while it runs."""
 
@@ -291,7 +290,7 @@ class Router:
         `prefilled`) when that leaves at least MIN_PENDING_TOKENS to compute."""
         if len(token_ids) - score.num_tokens < MIN_PENDING_TOKENS:
             return None
-        p = Prefill(name, token_ids, salt, time.monotonic())
+        p = Prefill(name, token_ids, salt)
         with self.lock:
             self.prefills.append(p)
         return p
@@ -304,6 +303,8 @@ class Router:
     def _pending(self, token_ids: list[int], salt: str | None) -> tuple[Prefill, int] | None:
         """The prefill sharing the most (at least MIN_PENDING_TOKENS) of `token_ids`, and how
         many, where no instance holds that many of them yet."""
+        if not self.prefills:  # the usual request: none under way
+            return None
         now = time.monotonic()
         with self.lock:
             self.prefills = [

@@ -45,7 +45,8 @@ MAX_UNFITTED = 64
 
 
 class _Fit:
-    """Exponentially weighted least squares of y on (1, x...), solved when asked."""
+    """Exponentially weighted least squares of y on (1, x...), solved when asked (once per
+    answer added: the scorer asks for every candidate of every request)."""
 
     def __init__(self, num_features: int) -> None:
         n = num_features + 1
@@ -53,7 +54,8 @@ class _Fit:
         self.xx = [[0.0] * n for _ in range(n)]
         self.xy = [0.0] * n
         self.count = 0
-        self.weight = 0.0
+        self._solved: list[float] | None = None
+        self._stale = True
         self._x_first: tuple[float, ...] | None = None
         self.varied = [False] * num_features
         """Per feature, whether some x differed from the first one (its slope is known)."""
@@ -66,8 +68,8 @@ class _Fit:
             line = self.xx[i]
             for j in range(self.n):
                 line[j] = line[j] * DECAY + xi * row[j]
-        self.weight = self.weight * DECAY + 1.0
         self.count += 1
+        self._stale = True
         if self._x_first is None:
             self._x_first = x
         else:
@@ -77,6 +79,11 @@ class _Fit:
     def solve(self) -> list[float] | None:
         """The coefficients (intercept first); None until MIN_ANSWERS answers whose first
         x varied."""
+        if self._stale:
+            self._solved, self._stale = self._solve(), False
+        return self._solved
+
+    def _solve(self) -> list[float] | None:
         if self.count < MIN_ANSWERS or not self.varied[0]:
             return None
         n = self.n
@@ -84,7 +91,7 @@ class _Fit:
         a = [[*self.xx[i], self.xy[i]] for i in range(n)]
         for i in range(n):
             a[i][i] += RIDGE * scale  # a constant feature (answers of one length) stays solvable
-        for col in range(n):  # Gauss-Jordan with partial pivoting; n <= 3
+        for col in range(n):  # Gauss-Jordan with partial pivoting; n <= 4
             pivot = max(range(col, n), key=lambda r: abs(a[r][col]))
             if abs(a[pivot][col]) < 1e-300:
                 return None
