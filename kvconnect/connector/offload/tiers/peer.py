@@ -151,7 +151,7 @@ class PeerServer:
         self.endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.data: _DataServer | None = None
         if curve is None:  # the data port has no encryption: only where ZMQ's has none
-            host = self.endpoint.removeprefix("tcp://").rpartition(":")[0].strip("[]")
+            host = _host(self.endpoint)
             try:
                 self.data = _DataServer(host, self._serve_data)
             except OSError as e:
@@ -349,24 +349,26 @@ class _DataServer:
 def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
     """`n` bytes; None if the peer closed before the first."""
     buf = bytearray(n)
-    view, got = memoryview(buf), 0
-    while got < n:
-        k = sock.recv_into(view[got:])
-        if k == 0:
-            if got == 0:
-                return None
-            raise ConnectionError(f"closed after {got} of {n} bytes")
-        got += k
-    return bytes(buf)
+    return bytes(buf) if _recv_into(sock, memoryview(buf), eof_ok=True) else None
 
 
-def _recv_into(sock: socket.socket, view: memoryview) -> None:
+def _recv_into(sock: socket.socket, view: memoryview, eof_ok: bool = False) -> bool:
+    """Fill `view`; False if the peer closed before its first byte and `eof_ok` (a clean
+    end between messages), `ConnectionError` if it closed anywhere else."""
     got = 0
     while got < len(view):
         k = sock.recv_into(view[got:])
         if k == 0:
+            if got == 0 and eof_ok:
+                return False
             raise ConnectionError(f"closed after {got} of {len(view)} bytes")
         got += k
+    return True
+
+
+def _host(endpoint: str) -> str:
+    """The host of a ZMQ tcp:// endpoint (an IPv6 one without its brackets)."""
+    return endpoint.removeprefix("tcp://").rpartition(":")[0].strip("[]")
 
 
 def _send_answer(sock: socket.socket, status: bytes, parts: list[Any]) -> None:
@@ -645,7 +647,7 @@ class PeerClient:
 
     def _data_socket(self) -> socket.socket:
         if self._data is None:
-            host = self.endpoint.removeprefix("tcp://").rpartition(":")[0].strip("[]")
+            host = _host(self.endpoint)
             assert self._data_port
             timeout = self.timeout_ms / 1000
             sock = socket.create_connection((host, self._data_port), timeout=timeout)
