@@ -5,6 +5,7 @@ status 2, before the router serves anything."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -51,6 +52,18 @@ def test_an_http_instance_without_a_port_is_port_80() -> None:
     assert Instance.parse(f"http://10.0.0.1:8001/,{EVENTS}").port == 8001
     with pytest.raises(ValueError, match=r"--instance.*99999"):
         Instance.parse(f"http://10.0.0.1:99999,{EVENTS}")
+
+
+def test_an_instances_peer_tier_is_host_and_port_or_refused_naming_it() -> None:
+    assert Instance.parse(f"http://10.0.0.1:8001,{EVENTS},peer=10.0.0.1:7100").peer == (
+        "10.0.0.1",
+        7100,
+    )
+    assert Instance.parse(f"http://h:1,{EVENTS},peer=[::1]:7100").peer == ("::1", 7100)
+    assert Instance.parse(f"http://10.0.0.1:8001,{EVENTS}").peer is None
+    for bad in ("nohost", ":7100", "h:99999", "h:x"):
+        with pytest.raises(ValueError, match=rf"--instance .*peer='{re.escape(bad)}' is not HOST"):
+            Instance.parse(f"http://10.0.0.1:8001,{EVENTS},peer={bad}")
 
 
 def test_an_instance_key_without_a_client_key_is_refused_unless_allowed(
