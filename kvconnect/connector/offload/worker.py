@@ -553,36 +553,49 @@ class OffloadWorker:
         order, a few requests ahead (`PeerClient.fetch_many`), each checked as a shared tier's
         entry is (its key, checksum or signature, then `mismatch`) and kept in the first local
         tier, which announces it. None for one that failed: it is recomputed (counted,
-        logged)."""
+        logged). A whole chunk is received straight into a cpu tier's slot, which holds it
+        once it has passed the checks (no copy); others land in the receive buffers."""
         client = self._peer_client(source)
         wanted = [(self._key(info), info) for info in chunks]
         local = self._local
-        # each chunk is put and scattered before two more are read into the buffers
-        pulls = client.fetch_many(wanted, self.placement, self._recv_buffers)
-        for (key, info), got in zip(wanted, pulls, strict=True):
-            if isinstance(got, IntegrityError):
-                logger.warning("offload: peer %s:%d: integrity miss: %s", *source, got)
-                with self._lock:
-                    self._count("num_integrity_misses")
-                    self._count("num_peer_integrity_misses")
+        sink = _IntoCpuTier(self, local[0]) if local else None
+        # each chunk is kept and scattered before two more are read into the buffers
+        pulls = client.fetch_many(wanted, self.placement, sink or self._recv_buffers)
+        try:
+            for (key, info), got in zip(wanted, pulls, strict=True):
+                slot = sink.reserved.pop(key, None) if sink is not None else None
+                if isinstance(got, StoredChunk):
+                    data = got.data
+                    with self._lock:
+                        self._count("peer_hits")
+                        self._count("peer_bytes_loaded", data.numel() * data.element_size())
+                    if slot is not None:
+                        assert sink is not None
+                        sink.commit(slot, key, info, data)
+                    elif local:
+                        self._put(local[0], key, info, data)
+                    yield data
+                    continue
+                if sink is not None and slot is not None:
+                    sink.unreserve(slot)
+                if isinstance(got, IntegrityError):
+                    logger.warning("offload: peer %s:%d: integrity miss: %s", *source, got)
+                    with self._lock:
+                        self._count("num_integrity_misses")
+                        self._count("num_peer_integrity_misses")
+                elif isinstance(got, TierError):
+                    logger.warning("offload: peer %s:%d: %s", *source, got)
+                    with self._lock:
+                        self._count("num_peer_errors")
+                else:
+                    with self._lock:
+                        self._count("num_peer_misses")
                 yield None
-            elif isinstance(got, TierError):
-                logger.warning("offload: peer %s:%d: %s", *source, got)
-                with self._lock:
-                    self._count("num_peer_errors")
-                yield None
-            elif got is None:
-                with self._lock:
-                    self._count("num_peer_misses")
-                yield None
-            else:
-                data = got.data
-                with self._lock:
-                    self._count("peer_hits")
-                    self._count("peer_bytes_loaded", data.numel() * data.element_size())
-                if local:
-                    self._put(local[0], key, info, data)
-                yield data
+        finally:
+            pulls.close()
+            if sink is not None:  # a pull abandoned half-way: its slots go back
+                for slot in sink.reserved.values():
+                    sink.unreserve(slot)
 
     def _peer_client(self, source: tuple[str, int]) -> PeerClient:
         client = self._peer_clients.get(source)
@@ -735,3 +748,43 @@ class OffloadWorker:
         ours to empty), so a router keeps what the engine itself still holds."""
         for tier in self.tiers:
             self._emit(*(removed_event(info, tier.kind) for _, info in tier.clear()))
+
+
+class _IntoCpuTier:
+    """A pull's `PayloadSink`: a whole chunk's payload is read into a slot of the worker's
+    first local tier when that is a cpu tier (reserved, evicting as a put would); anything
+    else into the worker's receive buffers. The worker commits or unreserves each slot."""
+
+    def __init__(self, worker: OffloadWorker, index: int) -> None:
+        self.worker, self.index = worker, index
+        tier = worker.tiers[index]
+        self.tier = tier if isinstance(tier, CpuTier) else None
+        self.reserved: dict[str, int] = {}
+
+    def take(self, key: str, n: int) -> memoryview | None:
+        tier = self.tier
+        got = tier.reserve(key) if tier is not None and n == tier.slot_bytes else None
+        if got is None:
+            buffers = self.worker._recv_buffers
+            return buffers.take(key, n) if buffers is not None else None
+        slot, view, evicted = got
+        self.reserved[key] = slot
+        self.worker._evicted(self.index, evicted)
+        return view
+
+    def unreserve(self, slot: int) -> None:
+        assert self.tier is not None
+        self.tier.unreserve(slot)
+
+    def commit(self, slot: int, key: str, info: ChunkInfo, data: torch.Tensor) -> None:
+        """The checked chunk in `slot` is now the tier's: announced and counted as a put."""
+        assert self.tier is not None
+        worker = self.worker
+        try:
+            self.tier.commit(slot, key, info)
+        except TierError as e:
+            worker._tier_failed(self.tier, e)
+            return
+        worker._emit(stored_event(info, self.tier.kind))
+        with worker._lock:
+            worker._count(f"{self.tier.kind}_bytes_stored", data.numel() * data.element_size())

@@ -21,13 +21,17 @@ from kvconnect.connector.offload.common import (
     LoadSpec,
     OffloadConfig,
     OffloadMetadata,
+    PeerConfig,
     SaveSpec,
     TierConfig,
 )
 from kvconnect.connector.offload.kinds import TierKind
 from kvconnect.connector.offload.layout import LayoutError, PagedKV, from_kv_planes, from_logical
 from kvconnect.connector.offload.tiers.cpu import CpuTier
+from kvconnect.connector.offload.tiers.peer import RecvBuffers
 from kvconnect.connector.offload.worker import OffloadWorker
+from kvconnect.events import BlockRemoved, BlockStored
+from tests.helpers import free_port
 
 BS, CHUNK, BLOCKS, LAYERS = 4, 8, 12, 3
 
@@ -415,3 +419,84 @@ def test_a_workers_cpu_tier_copies_out_what_it_evicts_only_with_a_tier_below() -
                 assert isinstance(cpu, CpuTier) and cpu.keep_evicted is keeps
             finally:
                 worker.shutdown()
+
+
+class CountingBuffers(RecvBuffers):
+    def __init__(self, size: int) -> None:
+        super().__init__(size)
+        self.taken: list[str] = []
+
+    def take(self, key: str, n: int) -> memoryview | None:
+        self.taken.append(key)
+        return super().take(key, n)
+
+
+def test_a_pulled_chunk_is_received_into_a_cpu_slot_and_a_refused_one_gives_its_slot_back() -> None:
+    """Worker B pulls four chunks and a tail from worker A's peer server (real sockets, real
+    tiers). Each whole chunk lands straight in a slot of B's two-slot cpu tier, which then
+    holds it with no copy (the receive buffers are used by the tail only), evicting as a put
+    would; the chunk A forged (another prompt's tokens under its key) is refused, its blocks
+    reported for recompute, its slot given back; every slot is accounted for after."""
+    cfg = KVTransferConfig(kv_connector="OffloadConnector", kv_role="kv_both")
+    ctx = KVConnectorContext(cfg, world_size=1, rank=0, block_size=BS, model_name="m")
+    gen = torch.Generator().manual_seed(1)
+    source = {f"l{i}": torch.randn(2, BLOCKS, BS, 2, 4, generator=gen) for i in range(2)}
+    target = {k: torch.zeros_like(v) for k, v in source.items()}
+    slot_bytes = 2 * 2 * CHUNK * 2 * 4 * 4  # layers, K/V, tokens, heads, dim, fp32
+    workers = []
+    for max_bytes in (1 << 20, 2 * slot_bytes):
+        peer = PeerConfig(port=free_port(), timeout_s=5.0)
+        tiers = (TierConfig(kind=TierKind.CPU, max_bytes=max_bytes),)
+        workers.append(
+            OffloadWorker(
+                ctx, OffloadConfig(block_size=BS, chunk_size=CHUNK, tiers=tiers, peer=peer)
+            )
+        )
+    a, b = workers
+    try:
+        a.register_kv_caches(source)
+        b.register_kv_caches(target)
+        tail = ChunkInfo(b"t" * 32, (99,), 3 * 10 + 1, tuple(range(BS)), BS)
+        saves = [SaveSpec(info(i), [2 * i - 2, 2 * i - 1]) for i in (1, 2, 3)]
+        a.wait_for_save(OffloadMetadata(saves=[*saves, SaveSpec(tail, [6])]))
+        assert a.drain()
+        cpu_a = a.tiers[0]
+        forged = ChunkInfo(bytes([4]) * 32, (40, 41), None, tuple(range(1, CHUNK + 1)), BS)
+        cpu_a.put(a._key(info(4)), forged, source["l0"].new_zeros(cpu_a.chunk_shape))  # type: ignore[attr-defined]
+        b.build_connector_worker_meta()  # nothing yet
+        counting = CountingBuffers(slot_bytes)
+        b._recv_buffers = counting
+        chunks = [info(1), info(2), info(3), info(4), tail]
+        blocks = [[0, 1], [2, 3], [4, 5], [8, 9], [6]]
+        peer_at = ("127.0.0.1", a.config.peer.port)  # type: ignore[union-attr]
+        b.start_load_kv(
+            OffloadMetadata(
+                loads=[LoadSpec("r", chunks, blocks, [0] * 5, source=peer_at, from_source=0)]
+            )
+        )
+        assert b.drain()
+        assert b.get_finished() == (None, {"r"})
+        assert b.get_block_ids_with_load_errors() == {8, 9}  # the forged chunk: recomputed
+        for name, kv in source.items():
+            assert torch.equal(target[name][:, :7], kv[:, :7])
+            assert not target[name][:, 7:].any()
+        assert counting.taken == [b._key(tail)]  # whole chunks went straight to slots
+        cpu = b.tiers[0]
+        assert isinstance(cpu, CpuTier) and cpu.num_slots == 2
+        cpu.check_integrity()  # the forged chunk's slot is free again, none is lost
+        held = [k for k, _ in cpu.entries()]
+        assert held == [b._key(info(3)), b._key(tail)]
+        found = cpu.load(b._key(info(3)))
+        assert found is not None and torch.equal(found.data, a.tiers[0].load(a._key(info(3))).data)  # type: ignore[union-attr]
+        meta = b.build_connector_worker_meta()
+        assert meta is not None
+        events = meta.events_by_rank[0]
+        stored = [e.block_hashes[-1] for e in events if isinstance(e, BlockStored)]
+        removed = [e.block_hashes[-1] for e in events if isinstance(e, BlockRemoved)]
+        assert len(stored) == 4 and len(removed) == 2  # 1..3 and the tail in; 1 and 2 out
+        stats = b.get_kv_connector_stats()
+        assert stats is not None
+        assert stats.data["peer_hits"] == 4 and stats.data["num_peer_integrity_misses"] == 1
+    finally:
+        for w in workers:
+            w.shutdown()

@@ -55,6 +55,40 @@ def test_a_cpu_tier_with_nothing_below_evicts_without_copying_the_data_out() -> 
     tier.check_integrity()
 
 
+def test_a_cpu_slot_reserved_for_a_pull_holds_nothing_until_committed() -> None:
+    """A pull receives a whole chunk into a reserved slot: evicting as a put does, invisible
+    until committed, given back when the chunk is refused; never one for a key held, and
+    none when every other slot is leased."""
+    tier = CpuTier(2 * 2 * 2 * 8 * 2 * 4 * 4, SHAPE, torch.float32)  # exactly 2 slots
+    for i in range(2):
+        tier.put(*chunk(i))
+    assert tier.reserve(chunk(0)[0]) is None  # held already
+    got = tier.reserve(chunk(2)[0])
+    assert got is not None
+    slot, view, evicted = got
+    assert [e.key for e in evicted] == [chunk(0)[0]] and len(view) == tier.slot_bytes
+    assert not tier.contains(chunk(2)[0])  # nothing until committed
+    tier.check_integrity()
+    torch.frombuffer(view, dtype=torch.float32).copy_(chunk(2)[2].flatten())
+    tier.commit(slot, chunk(2)[0], chunk(2)[1])
+    assert torch.equal(tier.get(chunk(2)[0]), chunk(2)[2])  # type: ignore[arg-type]
+    refused = tier.reserve(chunk(3)[0])
+    assert refused is not None and [e.key for e in refused[2]] == [chunk(1)[0]]
+    tier.unreserve(refused[0])
+    tier.check_integrity()
+    assert [k for k, _ in tier.entries()] == [chunk(2)[0]] and len(tier._free) == 1
+    tier.leased = lambda key: True
+    tier.put(*chunk(4))  # the free slot
+    assert tier.reserve(chunk(5)[0]) is None  # every slot leased
+    tail = ChunkInfo(b"t" * 32, (50,), 4, (5,) * 4, 4)
+    tier.leased = None
+    got = tier.reserve("m/1/0/t")
+    assert got is not None
+    with pytest.raises(TierError, match="not a whole chunk"):
+        tier.commit(got[0], "m/1/0/t", tail)
+    tier.check_integrity()
+
+
 def test_a_cpu_slot_holds_a_tail_in_its_first_part_and_refuses_data_its_header_denies() -> None:
     tier = CpuTier(1 << 16, SHAPE, torch.float32)
     _, info, data = chunk(5)

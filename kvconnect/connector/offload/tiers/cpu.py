@@ -57,8 +57,11 @@ class CpuTier(Tier):
         self._buffer = torch.frombuffer(self._memory, dtype=dtype).view(
             self.num_slots, *chunk_shape
         )
+        self.slot_bytes = slot_bytes
         self._free = list(range(self.num_slots - 1, -1, -1))
         self._index: OrderedDict[str, tuple[int, ChunkInfo]] = OrderedDict()
+        self._reserved: set[int] = set()
+        """Slots handed out by `reserve`, held by no chunk until `commit`."""
         self.leased: Callable[[str], bool] | None = None
         self.keep_evicted = True
         """Whether `put` returns an evicted chunk's data (a copy) or only its key and info."""
@@ -73,17 +76,49 @@ class CpuTier(Tier):
         shape = tail_shape(self.chunk_shape, len(info.token_ids))
         if tuple(data.shape) != shape:
             raise TierError(f"cpu tier: {key}: data of shape {tuple(data.shape)}, not {shape}")
-        evicted = []
-        if not self._free:
-            old_key = self._victim()
-            slot, old_info = self._index.pop(old_key)
-            kept = self._view(slot, old_info).clone() if self.keep_evicted else None
-            evicted.append(Evicted(old_key, old_info, kept))
-            self._free.append(slot)
+        evicted = self._make_room()
         slot = self._free.pop()
         self._view(slot, info).copy_(data)
         self._index[key] = (slot, info)
         return evicted
+
+    def reserve(self, key: str) -> tuple[int, memoryview, list[Evicted]] | None:
+        """A slot for whole chunk `key` to be written into in place (a pull receives into
+        it): its number, its bytes, and what was evicted to free it, as `put` evicts. The
+        slot holds nothing until `commit`; `unreserve` gives it back. None if `key` is held
+        already, or every slot is leased or reserved."""
+        if key in self._index:
+            return None
+        try:
+            evicted = self._make_room()
+        except TierError:
+            return None
+        slot = self._free.pop()
+        self._reserved.add(slot)
+        at = slot * self.slot_bytes
+        return slot, memoryview(self._memory)[at : at + self.slot_bytes], evicted
+
+    def commit(self, slot: int, key: str, info: ChunkInfo) -> None:
+        """Reserved `slot`, written, now holds whole chunk `key`."""
+        self._reserved.remove(slot)
+        if len(info.token_ids) != self.chunk_shape[2] or key in self._index:
+            self._free.append(slot)
+            raise TierError(f"cpu tier: {key} is not a whole chunk to commit, or is held")
+        self._index[key] = (slot, info)
+
+    def unreserve(self, slot: int) -> None:
+        self._reserved.remove(slot)
+        self._free.append(slot)
+
+    def _make_room(self) -> list[Evicted]:
+        """Free a slot if none is: the least recently used chunk not leased goes."""
+        if self._free:
+            return []
+        old_key = self._victim()
+        slot, old_info = self._index.pop(old_key)
+        kept = self._view(slot, old_info).clone() if self.keep_evicted else None
+        self._free.append(slot)
+        return [Evicted(old_key, old_info, kept)]
 
     def _view(self, slot: int, info: ChunkInfo) -> torch.Tensor:
         """The part of `slot` that holds `info`'s tokens (a tail fills a slot's first part)."""
@@ -124,5 +159,6 @@ class CpuTier(Tier):
         used = [slot for slot, _ in self._index.values()]
         assert len(set(used)) == len(used), "two chunks share a slot"
         assert not set(used) & set(self._free), "a used slot is also free"
-        assert len(used) + len(self._free) == self.num_slots, "a slot is lost"
+        assert not self._reserved & (set(used) | set(self._free)), "a reserved slot is in use"
+        assert len(used) + len(self._free) + len(self._reserved) == self.num_slots, "slot lost"
         assert len(set(self._free)) == len(self._free), "a slot is free twice"

@@ -48,8 +48,8 @@ import socket
 import struct
 import threading
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from collections.abc import Callable, Generator, Iterator, Sequence
+from typing import Any, Protocol
 
 import msgspec
 import zmq
@@ -379,10 +379,17 @@ def _send_answer(sock: socket.socket, status: bytes, parts: list[Any]) -> None:
         sock.sendall(v)
 
 
+class PayloadSink(Protocol):
+    """Where a pull reads chunk payloads (`PeerClient.fetch_many`)."""
+
+    def take(self, key: str, n: int) -> memoryview | None:
+        """`n` writable bytes for chunk `key`'s payload; None: memory of its own."""
+        ...
+
+
 class RecvBuffers:
     """Two buffers of `size` bytes, their pages populated once, that pulls read chunk
-    payloads into in turn (`PeerClient.fetch_many`): a chunk's data stays valid until the
-    pull has read two more."""
+    payloads into in turn: a chunk's data stays valid until the pull has read two more."""
 
     def __init__(self, size: int) -> None:
         populate = getattr(mmap, "MAP_POPULATE", 0)
@@ -391,8 +398,10 @@ class RecvBuffers:
         self._maps = [mmap.mmap(-1, max(1, size), flags=flags) for _ in range(2)]
         self._next = 0
 
-    def take(self) -> memoryview:
-        view = memoryview(self._maps[self._next])
+    def take(self, key: str, n: int) -> memoryview | None:
+        if n > self.size:
+            return None
+        view = memoryview(self._maps[self._next])[:n]
         self._next ^= 1
         return view
 
@@ -557,14 +566,13 @@ class PeerClient:
         self,
         wanted: Sequence[tuple[str, ChunkInfo]],
         placement: TierPlacement,
-        buffers: RecvBuffers | None = None,
-    ) -> Iterator[StoredChunk | TierError | None]:
+        buffers: PayloadSink | None = None,
+    ) -> Generator[StoredChunk | TierError | None]:
         """Each of `wanted` in order, as `fetch` returns it or the `TierError` it would raise,
         with up to WINDOW requests outstanding: the peer serialises the next chunks while
         this one travels and is checked. Once the peer stops answering, every chunk left is
         that `TierUnavailable`. Over the data port where the peer has one, with payloads
-        read into `buffers` (then a chunk's data is valid until two more are read; without
-        them each chunk gets memory of its own)."""
+        read where `buffers` says (without it, each chunk gets memory of its own)."""
         if not wanted:
             return
         if self._data_port is None:
@@ -604,7 +612,7 @@ class PeerClient:
         self,
         wanted: Sequence[tuple[str, ChunkInfo]],
         placement: TierPlacement,
-        buffers: RecvBuffers | None,
+        buffers: PayloadSink | None,
     ) -> Iterator[StoredChunk | TierError | None]:
         """`fetch_many` over the data port: requests WINDOW ahead on one connection, answers
         in order. A connection that fails, stalls past the timeout or frames an answer badly
@@ -617,7 +625,7 @@ class PeerClient:
                     raw = wanted[sent][0].encode("ascii")
                     sock.sendall(len(raw).to_bytes(4, "big") + raw)
                     sent += 1
-                status, parts = self._read_answer(sock, buffers)
+                status, parts = self._read_answer(sock, buffers, key)
                 if status == DATA_ERR:
                     why = bytes(parts[0][:200]).decode(errors="replace")
                     raise TierError(f"peer {self.endpoint} refused GET {key}: {why}")
@@ -657,10 +665,10 @@ class PeerClient:
         return self._data
 
     def _read_answer(
-        self, sock: socket.socket, buffers: RecvBuffers | None
+        self, sock: socket.socket, buffers: PayloadSink | None, key: str
     ) -> tuple[bytes, list[memoryview]]:
-        """One data-port answer: its status and parts (a chunk's payload read into
-        `buffers`). `TierError` if it is not framed as one."""
+        """One data-port answer to GET `key`: its status and parts (a chunk's payload read
+        where `buffers` says). `TierError` if it is not framed as one."""
         head = _recv_exact(sock, 2)
         if head is None:
             raise ConnectionError("closed")
@@ -675,10 +683,8 @@ class PeerClient:
             payload = status == DATA_CHUNK and index == 3
             if n > (self.max_reply_bytes if payload else REPLY_SLACK):
                 raise TierError(f"peer {self.endpoint}: a part of {n} bytes")
-            if payload and buffers is not None and n <= buffers.size:
-                view = buffers.take()[:n]
-            else:
-                view = memoryview(bytearray(n))
+            into = buffers.take(key, n) if payload and buffers is not None else None
+            view = into if into is not None else memoryview(bytearray(n))
             _recv_into(sock, view)
             parts.append(view)
         return status, parts
