@@ -3,6 +3,8 @@
     Router(instances, index, tokenizer)   nothing runs yet
     router.start()                        a thread follows every instance's stream (with
                                           replay and snapshots) into the index, under `lock`
+    await router.wait_synced()            until every instance's state is in the index (once,
+                                          after the start: the snapshot, then live events)
     router.pick(tokens, exclude, salt)    the instance to send a request to (scored under the
                                           same lock), or None when none is in rotation
     router.check_cached(...)              an answer's own cached-token count against the index
@@ -16,6 +18,7 @@ starts no server and never imports torch.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
@@ -78,6 +81,14 @@ there until the index shows them (or its answer ends): a request arriving meanwh
 shares at least this many of its tokens waits for them (`Router.wait_for_prefill`)."""
 MAX_PENDING_WAIT_S = 30.0
 EVENTS_GRACE_S = 5.0
+SYNC_WAIT_S = 10.0
+"""From the router's start, how long a request waits for every instance in rotation to be
+synced (its stream's snapshot and replay applied: `Router.wait_synced`): no decision is made
+from a partial index unless an instance's state has not come by then."""
+CONNECT_WAIT_S = 1.0
+"""An instance whose event stream is not reached this long after the start (and after the
+last handshake: they run one at a time) is not waited for: it connects later, or never."""
+SYNC_POLL_S = 0.1
 """How long a prefill whose answer ended stays pending for its events (they may come after
 the answer: a request then routed would find no holder and compute the prefix again)."""
 
@@ -243,6 +254,12 @@ class Router:
         """Per instance, the seq of the last batch (or snapshot) its index state includes."""
         self.subscriber: KVEventSubscriber | None = None
         self._thread: threading.Thread | None = None
+        self._closing = False
+        self.synced: set[str] = set()
+        """Instances whose stream state (snapshot, replay) the index has applied whole."""
+        self.started = 0.0
+        self.decisions_unsynced = 0
+        """Decisions made while an instance in rotation was not synced (`SYNC_WAIT_S` over)."""
         self.prefills: list[Prefill] = []
         """Long prompts being computed (`prefilling`): what a burst sharing them waits for."""
         self._applied: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
@@ -261,20 +278,75 @@ class Router:
             snapshots=True,  # a router that (re)starts, or loses batches, gets the whole state
             curve=self.curve,
         )
+        self.started = time.monotonic()
         self._thread = threading.Thread(target=self._follow, name="router-events", daemon=True)
         self._thread.start()
         return self
 
     def _follow(self) -> None:
-        assert self.subscriber is not None
-        for item in self.subscriber:
-            name = self._name_by_endpoint[item.stream.endpoint]
-            with self.lock:
-                self.index.apply_item(name, item)
-                if isinstance(item, ReceivedBatch | StreamSnapshot):
-                    self.last_seq[name] = item.seq
-            if self._applied:
+        sub = self.subscriber
+        assert sub is not None
+        everyone = len(self.instances)
+        while not self._closing:
+            # Until every stream is synced, a handshake that queued nothing must be seen too;
+            # then the thread sleeps until a batch comes (no wake-ups of its own).
+            syncing = len(self.synced) < everyone
+            item = sub.recv(SYNC_POLL_S if syncing else None)
+            if item is not None:
+                name = self._name_by_endpoint[item.stream.endpoint]
+                with self.lock:
+                    self.index.apply_item(name, item)
+                    if isinstance(item, ReceivedBatch | StreamSnapshot):
+                        self.last_seq[name] = item.seq
+            if syncing and not sub.num_queued:  # all a handshake queued is applied
+                fresh = {self._name_by_endpoint[e] for e in sub.caught_up} - self.synced
+                if fresh:
+                    with self.lock:
+                        self.synced |= fresh
+                    logger.info("router: synced with %s", ", ".join(sorted(fresh)))
+                    self._wake()
+                    continue
+            if item is not None and self._applied:
                 self._wake()
+
+    def is_synced(self) -> bool:
+        """Every instance in rotation is synced, or cannot be: its stream is not reached
+        CONNECT_WAIT_S after the start (one that is down, or comes later, syncs from its
+        first handshake)."""
+        synced = self.synced
+        if len(synced) == len(self.instances):
+            return True
+        sub = self.subscriber
+        if sub is None:
+            return False
+        # handshakes run one after another: an endpoint not reached yet may be next in line
+        quiet = time.monotonic() - max(self.started, sub.last_handshake)
+        late = not sub.handshaking and quiet > CONNECT_WAIT_S
+        return all(
+            i.name in synced
+            or not self.health.is_up(i.name)
+            or (late and i.events_endpoint not in sub.connected)
+            for i in self.instances
+        )
+
+    async def wait_synced(self) -> None:
+        """Until `is_synced`, or until SYNC_WAIT_S after the start: a router that starts (or
+        restarts) while traffic flows makes its first decision from the whole index."""
+        if self.is_synced():
+            return
+        loop = asyncio.get_running_loop()
+        while not self.is_synced():
+            left = self.started + SYNC_WAIT_S - time.monotonic()
+            if left <= 0:
+                return
+            future: asyncio.Future[None] = loop.create_future()
+            with self.lock:
+                self._applied.append((loop, future))
+            if self.is_synced():
+                return
+            # an instance leaving rotation ends the wait too: look again now and then
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(future, min(left, SYNC_POLL_S * 5))
 
     def _wake(self) -> None:
         """Every `wait_for_prefill` looks again (the index or the prefills changed)."""
@@ -360,6 +432,7 @@ class Router:
                     return
 
     def close(self) -> None:
+        self._closing = True
         if self.subscriber is not None:
             self.subscriber.close()
         if self._thread is not None:
@@ -403,6 +476,8 @@ class Router:
     ) -> Picked | None:
         if not names:
             return None
+        if len(self.synced) < len(self.instances) and not self.is_synced():
+            self.decisions_unsynced += 1
         with self.lock:  # one state for both
             scores = self.index.score(token_ids, cache_salt)
             num_blocks = self.index.num_blocks()

@@ -108,8 +108,13 @@ class RouterMetrics(Collector):
             ("gaps_repaired", "Sequence gaps filled from replay.",
              sub.num_gaps_repaired if sub else 0),
             ("batches_lost", "Batches replay no longer held.", sub.num_batches_lost if sub else 0),
+            ("decisions_unsynced", "Decisions made while an instance in rotation was not synced "
+             "(its stream's state had not come within the wait after the router's start).",
+             r.decisions_unsynced),
         ):  # fmt: skip
             yield _one(C, name, doc, value)
+        yield _one(G, "synced_instances", "Instances whose stream state is in the index.",
+                   len(r.synced))  # fmt: skip
         yield _one(G, "stale_instances", "Instances awaiting a resync.", stale)
 
     def _instance_metrics(self) -> Iterator[Metric]:

@@ -10,7 +10,8 @@
     GET  /version                kvconnect's version
     POST /kv/score               {"prompt": ...} or {"messages": [...]}: what each instance
                                  holds of it
-    GET  /health                 each instance's state; 503 when none is in rotation
+    GET  /health                 each instance's state (and whether its stream's state is in
+                                 the index yet); 503 when none is in rotation
     GET  /metrics                Prometheus: decisions, hits per tier, index, streams, health
 
 Authentication (`http/auth.py`): with `api_key` every path but /health needs the client's
@@ -215,6 +216,7 @@ class RouterServer:
         failed = ""
         prefill_pending = bool(router.prefill_names)  # P/D: once, whichever D answers
         with_params: tuple[bytes, str] | None = None  # P/D: the body with P's params, P
+        await router.wait_synced()  # a router just (re)started decides from the whole index
         if not router.prefill_names:  # a burst sharing a new prefix: computed once, not everywhere
             await router.wait_for_prefill(token_ids, req.cache_salt)
         while True:
@@ -336,9 +338,9 @@ class RouterServer:
         return json_response({"prompt_tokens": len(token_ids), "instances": instances})
 
     async def health(self, _: Request) -> Response:
-        states = self.router.health.states
+        states, synced = self.router.health.states, self.router.synced
         instances = {
-            name: {"state": "up" if s.up else "down", "reason": s.reason}
+            name: {"state": "up" if s.up else "down", "reason": s.reason, "synced": name in synced}
             for name, s in states.items()
         }
         up = sum(s.up for s in states.values())

@@ -17,6 +17,8 @@ Per publisher stream it keeps the last seq it yielded and:
   you hold for that stream), then the batches after its fence, so a consumer's view converges
   to the instance's truth whatever it missed. A publisher without snapshots (vLLM's) answers
   with nothing, and the subscriber goes on as without the option;
+- `caught_up`: the endpoints whose state it has queued whole (snapshot and replay); a
+  consumer that must not act on a partial view (the router's first decision) waits for them;
 - `max_message_size`: a frame larger than this (default `wire.MAX_BATCH_BYTES`, 64 MiB, over
   the largest legitimate batch) cuts that connection before it is read; the subscriber
   connects again, and what it missed is replayed or reported lost;
@@ -226,6 +228,16 @@ class KVEventSubscriber:
         self.num_duplicates = 0
         self.num_handshakes = 0
         self.num_snapshots = 0
+        self.connected: set[str] = set()
+        """Endpoints whose publisher this subscriber has reached at least once."""
+        self.handshaking = False
+        """A handshake is under way (they run one at a time: the others' wait)."""
+        self.last_handshake = 0.0
+        """When the last handshake ended (time.monotonic)."""
+        self.caught_up: set[str] = set()
+        """Endpoints whose publisher's state this subscriber has queued whole at least once:
+        a connection's handshake answered completely (its snapshot and replay, or a replay
+        from `start_seq`). Once nothing is queued (`num_queued`), all of it was yielded."""
         self._unrepaired = False  # a loss reported since the last resync
         for i, ep in enumerate(self.endpoints):
             self._open(i, ep, hwm)
@@ -322,6 +334,11 @@ class KVEventSubscriber:
                 return None
         return self._pending.popleft()
 
+    @property
+    def num_queued(self) -> int:
+        """Items received and not yet yielded."""
+        return len(self._pending)
+
     def _on_monitor(self, source: _Source, sock: zmq.Socket[bytes]) -> None:
         event = parse_monitor_message(sock.recv_multipart())
         if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
@@ -335,8 +352,18 @@ class KVEventSubscriber:
 
     def _handshake(self, source: _Source) -> None:
         """A connection to the publisher at `source` is up: learn who it is and catch up."""
+        self.handshaking = True
+        try:
+            self._catch_up(source)
+        finally:
+            self.handshaking = False
+            self.last_handshake = time.monotonic()
+
+    def _catch_up(self, source: _Source) -> None:
+        self.connected.add(source.endpoint)
         replay = self._replay_for(source.index, None)
         if replay is None:
+            self.caught_up.add(source.endpoint)  # live only: nothing to catch up with
             return
         self.num_handshakes += 1
         streams = [st for st in self._streams.values() if st.source == source.index]
@@ -374,14 +401,18 @@ class KVEventSubscriber:
             self._pending.append(ReceivedBatch(seq, batch, stream.id))
             self.num_batches_replayed += 1
             stream.last_seq = stream.dup_until = seq
-        self._resync(source, replay)
+        lost = self._unrepaired
+        if self._resync(source, replay) or (answer.complete and not lost):
+            self.caught_up.add(source.endpoint)
 
-    def _resync(self, source: _Source, replay: str) -> None:
+    def _resync(self, source: _Source, replay: str) -> bool:
         """After losses replay could not repair (`_lost`), the publisher's snapshot, queued
-        after everything the repair yielded (with `snapshots=True`)."""
+        after everything the repair yielded (with `snapshots=True`); whether one came."""
+        resynced = False
         if self._unrepaired and self._snapshots:
-            self._snapshot(source, replay)
+            resynced = self._snapshot(source, replay) is not None
         self._unrepaired = False
+        return resynced
 
     def _snapshot(self, source: _Source, replay: str) -> int | None:
         """Ask the publisher at `replay` for its state and queue it as `StreamSnapshot`s (one

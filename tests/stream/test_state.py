@@ -142,6 +142,7 @@ def test_a_late_subscriber_gets_the_whole_state_though_the_ring_dropped_its_hist
         with KVEventSubscriber(ep, rp, start_seq=0, snapshots=True) as sub:
             first = collect(sub, 199)
             assert isinstance(first[0], StreamSnapshot) and first[0].seq == 199
+            assert sub.caught_up == {ep} and sub.num_queued == 0  # all of it yielded
             assert sub.num_snapshots == 1 and not any(isinstance(i, EventsLost) for i in first)
             assert pub.wait_for_subscriber()
             for ev in events[200:]:
@@ -222,5 +223,23 @@ def test_a_snapshot_travels_in_batches_and_arrives_whole(num_blocks: int) -> Non
         assert isinstance(items[0], StreamSnapshot)
         got = sorted(h for ev in items[0].batch.events for h in ev.block_hashes)
         assert got == [h for h in hashes if h != 7]
+    finally:
+        pub.shutdown()
+
+
+def test_caught_up_names_a_publisher_only_once_its_state_is_queued_whole() -> None:
+    """A router waits for `caught_up` before its first decision: a publisher whose replay
+    socket does not answer is not caught up; once it answers (a fresh subscriber), it is."""
+    ep, rp = tcp_pair()
+    _, silent = tcp_pair()  # nothing listens there
+    pub = ZmqEventPublisher.open(bind=True, endpoint=ep, replay_endpoint=rp)
+    try:
+        pub.publish(KVEventBatch(0.0, [AllBlocksCleared()]))
+        with KVEventSubscriber(ep, silent, start_seq=0, snapshots=True, replay_timeout=0.2) as sub:
+            poll_until(sub, lambda: sub.num_replay_failures >= 1)
+            assert sub.num_handshakes >= 1 and sub.caught_up == set()
+        with KVEventSubscriber(ep, rp, start_seq=0, snapshots=True) as sub:
+            poll_until(sub, lambda: sub.num_handshakes == 1)
+            assert sub.caught_up == {ep}
     finally:
         pub.shutdown()
