@@ -16,9 +16,14 @@ instances):
     p50/p90 (one-token answers, so the whole answer's time).
 (b) hot prefix: HOT requests sharing one PREFIX-token system prompt, CONCURRENCY at a time.
     Reported: requests per second, TTFT p50/p90, the requests each instance answered.
+(c) warm-up: the third instance restarts, empty, while the other two hold JOIN_PREFIXES
+    prompts of JOIN_PREFIX tokens (computed there directly); then requests that each start
+    with one of them (in turn) arrive, CONCURRENCY at a time, until the new instance has
+    answered JOINED of them. Reported: the share of their shared prefixes those JOINED
+    requests found cached (pulled, or held by then: most of them meet a prefix new to it).
 (e) the pull crossover the router learned (its /metrics), beside bench/peer_pull.py's.
 
-Runs in about 10 minutes on this machine.
+Runs in about 12 minutes on this machine.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from __future__ import annotations
 import json
 import random
 import re
+import signal
 import statistics
 import sys
 import threading
@@ -45,6 +51,7 @@ BURST = 12
 HOT, CONCURRENCY = 24, 6
 INSTANCES = 3
 CHUNK = 128
+JOIN_PREFIXES, JOIN_PREFIX, JOINED = 12, 1024, 10
 
 
 @dataclass
@@ -70,9 +77,10 @@ def instance_config(peer_port: int) -> str:
     )
 
 
-def start_instances(ps: routers.Processes) -> list[tuple[str, int, int]]:
-    """(url, events port, peer port) of each instance (replay on events + 10000)."""
-    out = []
+def start_instances(ps: routers.Processes) -> tuple[list[tuple[str, int, int]], list[list[str]]]:
+    """(url, events port, peer port) of each instance (replay on events + 10000), and the
+    command line of each."""
+    out, commands = [], []
     for i in range(INSTANCES):
         port = routers.free_port((0, 10000, 20000))
         peer = routers.free_port()
@@ -83,7 +91,39 @@ def start_instances(ps: routers.Processes) -> list[tuple[str, int, int]]:
                 "--kv-transfer-config", instance_config(peer)]  # fmt: skip
         ps.start(args, f"serve-{i}", f"http://127.0.0.1:{port}", timeout=300)
         out.append((f"http://127.0.0.1:{port}", port + 10000, peer))
-    return out
+        commands.append(args)
+    return out, commands
+
+
+def restart(
+    ps: routers.Processes, index: int, url: str, args: list[str], routed: list[str]
+) -> None:
+    """Instance `index` stopped and started again (empty), back in rotation and synced at
+    every router in `routed`."""
+    seen = {r: metric_total(r, "kvconnect_router_publisher_restarts_total") for r in routed}
+    proc = ps.procs[index]
+    proc.send_signal(signal.SIGINT)
+    proc.wait(60)
+    ps.procs[index] = ps.start(args, f"serve-{index}-again", url, timeout=300)
+    ps.procs.pop()
+    for router in routed:
+        deadline = time.monotonic() + 60
+        while True:
+            with urllib.request.urlopen(router + "/health", timeout=10) as resp:
+                state = json.load(resp)["instances"][url]
+            restarts = metric_total(router, "kvconnect_router_publisher_restarts_total")
+            if state["state"] == "up" and state["synced"] and restarts > seen[router]:
+                break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{router} did not take {url} back: {state}")
+            time.sleep(0.2)
+
+
+def metric_total(url: str, name: str) -> float:
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    found = re.search(rf"^{name} (\S+)$", text, re.M)
+    return float(found.group(1)) if found else 0.0
 
 
 def start_router(ps: routers.Processes, instances: list[tuple[str, int, int]], pulls: bool) -> str:
@@ -140,6 +180,37 @@ def scenario(
     return run
 
 
+def joining(
+    targets: list[str], joined: str, prompts: list[list[int]], prefix: int
+) -> tuple[float, int]:
+    """`prompts` to `targets` (as `scenario`), CONCURRENCY at a time, until instance `joined`
+    has answered JOINED of them: the share of their first `prefix` tokens its first JOINED
+    found cached, and how many requests were sent."""
+    lock = threading.Lock()
+    mine: list[int] = []
+    sent = 0
+
+    def one(i: int) -> None:
+        target = targets[i % len(targets)]
+        _, where, cached, _ = complete(target, prompts[i % len(prompts)])
+        with lock:
+            if (where or target) == joined:
+                mine.append(min(cached, prefix))
+
+    with ThreadPoolExecutor(CONCURRENCY) as pool:
+        futures = []
+        while len(mine) < JOINED and sent < 8 * JOINED * INSTANCES:
+            futures.append(pool.submit(one, sent))
+            sent += 1
+            while sum(not f.done() for f in futures) >= CONCURRENCY:
+                time.sleep(0.01)
+            for f in futures:
+                if f.done():
+                    f.result()  # a failed request fails the bench
+    first = mine[:JOINED]
+    return sum(first) / (prefix * max(1, len(first))), sent
+
+
 def metric_values(url: str, name: str) -> dict[str, float]:
     with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
         text = resp.read().decode()
@@ -154,9 +225,10 @@ def main() -> None:
     rng = random.Random(33)
     ps = routers.Processes()
     runs: dict[tuple[str, str], Run] = {}
+    warmed: dict[str, tuple[float, int]] = {}
     crossovers: dict[str, float] = {}
     try:
-        instances = start_instances(ps)
+        instances, commands = start_instances(ps)
         urls = [u for u, _, _ in instances]
         for u in urls:  # warm up each instance
             complete(u, tokens(rng, 32))
@@ -176,6 +248,14 @@ def main() -> None:
             system = tokens(rng, PREFIX)
             hot = [system + tokens(rng, SUFFIX) for _ in range(HOT)]
             runs["hot", way] = scenario(where, hot, CONCURRENCY, first_alone=True)
+            # (c): the first two instances hold the prefixes; the third restarts empty
+            prefixes = [tokens(rng, JOIN_PREFIX) for _ in range(JOIN_PREFIXES)]
+            for i, p in enumerate(prefixes):
+                complete(urls[i % 2], p)
+            routed = [] if way == "rr" else where
+            restart(ps, INSTANCES - 1, urls[-1], commands[-1], routed)
+            asks = [p + tokens(rng, SUFFIX) for p in prefixes]
+            warmed[way] = joining(where, urls[-1], asks, JOIN_PREFIX)
             print(way, {k: (r.computed, r.where) for (k, w), r in runs.items() if w == way},
                   file=sys.stderr, flush=True)  # fmt: skip
         crossovers = metric_values(targets["pulls"][0], "kvconnect_router_pull_crossover_tokens")
@@ -215,7 +295,11 @@ def main() -> None:
         f"(b) hot {PREFIX}-token prefix, {HOT} requests, {CONCURRENCY} at a time: "
         + "; ".join(hot_part(w) for w in targets)
         + f"; pulls TTFT p90/today {pct(hot_pulls.ttfts, 0.9) / pct(hot_today.ttfts, 0.9):.2f}x"
-        f" (target <= 1) | (e) learned pull crossover: {crossover}"
+        f" (target <= 1) | (c) a third instance restarts empty; its first {JOINED} requests "
+        f"(each starting with one of {JOIN_PREFIXES} {JOIN_PREFIX}-token prefixes the others "
+        "hold) found cached: "
+        + "; ".join(f"{w} {warmed[w][0]:.0%} ({warmed[w][1]} sent)" for w in targets)
+        + f" (target: pulls >= 90%) | (e) learned pull crossover: {crossover}"
     )
 
 

@@ -201,3 +201,31 @@ def test_a_burst_sharing_a_new_prefix_computes_it_once(
         if (v := value(text, "kvconnect_router_prefill_waits_total", outcome=o))
     )
     assert waited >= 1, text
+
+
+def test_a_restarted_instance_gets_its_first_prefixes_by_pulling_them(
+    pair: tuple[Path, list[Serve]], router: RouterProcess
+) -> None:
+    """Item 4, warm new instances: O restarts empty (its index entries dropped with its
+    publisher's restart) while H holds a prompt and is busy; O's first request for that
+    prompt pulls H's 4 chunks instead of computing them, and answers as H did."""
+    tokens = prompt(3)
+    text, _, holder = complete(router.url, tokens)
+    h = next(s for s in pair[1] if s.url == holder)
+    [o] = [s for s in pair[1] if s.url != holder]
+    held_by(router, h, tokens, 128)
+    o.kill()
+    o.start()
+
+    def o_is_back() -> bool:
+        text = metrics(router.url)
+        restarts = value(text, "kvconnect_router_publisher_restarts_total") or 0
+        return restarts >= 1 and value(text, "kvconnect_router_instance_up", instance=o.url) == 1
+
+    wait_for(o_is_back, timeout=60, what=f"{o.url} back in rotation, its old entries dropped")
+    long = busy(router, holder, tokens)
+    again, cached, went = complete(router.url, tokens)
+    assert (went, cached, again) == (o.url, 128, text)
+    text_m = metrics(router.url)
+    assert value(text_m, "kvconnect_router_pulls_total", source=holder, instance=o.url), text_m
+    long.join(120)
