@@ -1,5 +1,6 @@
 """An OpenAI completions backend that answers at once with a fixed body (or a two-chunk
-stream): what `bench/routers.py` puts behind a router to measure the router's own cost.
+stream; a P/D prefill's params to a request with do_remote_decode): what `bench/routers.py`
+puts behind a router to measure the router's own cost.
 Not a benchmark itself: `python bench/_stub_backend.py PORT`."""
 
 import asyncio
@@ -12,6 +13,12 @@ BODY = (
 )
 CHUNKS = (b'data: {"id":"x","object":"text_completion","choices":[{"index":0,"text":"a"}]}\n\n',
           b"data: [DONE]\n\n")  # fmt: skip
+PREFILLED = BODY[:-1] + (
+    b',"kv_transfer_params":{"do_remote_prefill":true,"do_remote_decode":false,'
+    b'"remote_engine_id":"stub","remote_block_ids":[],"remote_host":"127.0.0.1",'
+    b'"remote_port":1}}'
+)
+"""A P/D prefill's answer (a request with do_remote_decode): the params D would get."""
 OK = b"HTTP/1.1 200 OK\r\nContent-Type: "
 
 
@@ -30,8 +37,10 @@ async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> 
                     writer.write(b"%x\r\n" % len(part) + part + b"\r\n")
                 writer.write(b"0\r\n\r\n")
             else:
-                writer.write(OK + b"application/json\r\nContent-Length: %d\r\n\r\n" % len(BODY))
-                writer.write(BODY)
+                prefill = b'"do_remote_decode":true' in body or b'"do_remote_decode": true' in body
+                answer = PREFILLED if prefill else BODY
+                writer.write(OK + b"application/json\r\nContent-Length: %d\r\n\r\n" % len(answer))
+                writer.write(answer)
             await writer.drain()
     except (asyncio.IncompleteReadError, ConnectionError):
         pass

@@ -22,6 +22,11 @@ instances):
     answered JOINED of them. Reported: the share of their shared prefixes those JOINED
     requests found cached (pulled, or held by then: most of them meet a prefix new to it).
 (e) the pull crossover the router learned (its /metrics), beside bench/peer_pull.py's.
+(g) replicas: a second pulls router follows the same instances and takes half of the pulls
+    way's warm-up; then 2 x (2 + JOIN_PREFIXES) requests go one at a time, in turn through
+    the two, each starting with a prefix the scenarios left on the instances; before each,
+    the other replica's choice for it is asked (/kv/score). Reported: how often it is the
+    same instance, or one whose cost by its own estimate is within 5% of its choice.
 
 Runs in about 12 minutes on this machine.
 """
@@ -40,6 +45,8 @@ import urllib.request
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 try:
     import routers
@@ -182,10 +189,11 @@ def scenario(
 
 def joining(
     targets: list[str], joined: str, prompts: list[list[int]], prefix: int
-) -> tuple[float, int]:
+) -> tuple[float, int, int]:
     """`prompts` to `targets` (as `scenario`), CONCURRENCY at a time, until instance `joined`
-    has answered JOINED of them: the share of their first `prefix` tokens its first JOINED
-    found cached, and how many requests were sent."""
+    has answered JOINED of them (or 8 x JOINED x INSTANCES were sent): the share of their
+    first `prefix` tokens its first JOINED found cached, how many it answered, how many
+    requests were sent."""
     lock = threading.Lock()
     mine: list[int] = []
     sent = 0
@@ -208,7 +216,37 @@ def joining(
                 if f.done():
                     f.result()  # a failed request fails the bench
     first = mine[:JOINED]
-    return sum(first) / (prefix * max(1, len(first))), sent
+    return sum(first) / (prefix * max(1, len(first))), len(first), sent
+
+
+def choice(router: str, prompt: list[int]) -> dict[str, Any]:
+    req = urllib.request.Request(
+        router + "/kv/score",
+        data=json.dumps({"prompt": prompt}).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        return dict(json.load(resp)["choice"])
+
+
+def agreement(
+    first: str, second: str, prefixes: list[list[int]], rng: random.Random
+) -> tuple[int, int, int]:
+    """(g) Requests one at a time, in turn through the two replicas, each starting with one
+    of `prefixes`: before each, the other replica is asked what it would choose
+    (/kv/score). (same choice, choice within 5% by the other's own costs, requests)."""
+    same = close = 0
+    for i, prefix in enumerate(prefixes):
+        routing, other = (first, second) if i % 2 == 0 else (second, first)
+        prompt = prefix + tokens(rng, SUFFIX)
+        theirs = choice(other, prompt)
+        _, where, _, _ = complete(routing, prompt)
+        costs = theirs["costs"]
+        if where == theirs["instance"]:
+            same += 1
+        elif costs[where] <= 1.05 * costs[theirs["instance"]]:
+            close += 1
+    return same, close, len(prefixes)
 
 
 def metric_values(url: str, name: str) -> dict[str, float]:
@@ -221,11 +259,48 @@ def pct(xs: list[float], q: float) -> float:
     return routers.pct(xs, q)
 
 
+PLOT = Path(__file__).resolve().parent / "placement.png"
+
+
+def plot(
+    runs: dict[tuple[str, str], Run], warmed: dict[str, tuple[float, int, int]], path: Path = PLOT
+) -> str:
+    """Three panels, a bar per way: (a) prompt tokens computed, (b) TTFT p50 and p90 of the
+    hot prefix, (c) the joined instance's cached share."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "plot skipped: matplotlib is not installed (pip install matplotlib)"
+    ways = list(warmed)
+    colors = {"today": "tab:gray", "pulls": "tab:blue", "rr": "tab:orange"}
+    fig, (a, b, c) = plt.subplots(1, 3, figsize=(11.0, 3.8))
+    a.bar(ways, [runs["burst", w].computed for w in ways], color=[colors[w] for w in ways])
+    a.set_title(f"(a) burst of {BURST}, new {PREFIX}-token prefix:\nprompt tokens computed")
+    for k, w in enumerate(ways):
+        t = runs["hot", w].ttfts
+        b.bar([k - 0.2, k + 0.2], [pct(t, 0.5), pct(t, 0.9)], width=0.38,
+              color=colors[w], alpha=0.6)  # fmt: skip
+    b.set_xticks(range(len(ways)), [f"{w}\np50 | p90" for w in ways])
+    b.set_title(f"(b) hot {PREFIX}-token prefix,\n{HOT} requests: TTFT ms")
+    c.bar(ways, [warmed[w][0] * 100 for w in ways], color=[colors[w] for w in ways])
+    c.set_ylim(0, 100)
+    c.set_title(f"(c) restarted instance: first {JOINED}\nrequests' prefix cached, %")
+    fig.suptitle(f"kvconnect serve smollm2 x{INSTANCES}, cpu + peer tiers", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return f"plot bench/{path.name}"
+
+
 def main() -> None:
     rng = random.Random(33)
     ps = routers.Processes()
     runs: dict[tuple[str, str], Run] = {}
-    warmed: dict[str, tuple[float, int]] = {}
+    warmed: dict[str, tuple[float, int, int]] = {}
+    agreed = (0, 0, 1)
     crossovers: dict[str, float] = {}
     try:
         instances, commands = start_instances(ps)
@@ -237,11 +312,13 @@ def main() -> None:
             "pulls": [start_router(ps, instances, pulls=True)],
             "rr": urls,
         }
+        replica = start_router(ps, instances, pulls=True)  # (g): the pulls router's twin
         for way, where in targets.items():
             # Traffic before the scenarios, the same for each way: a router that has served
-            # a while has measured its instances (costs.py); it is not reported.
+            # a while has measured its instances (costs.py); it is not reported. The pulls
+            # router shares it with its replica, which measures the instances too.
             warm = [tokens(rng, n) for n in (64, 256, 512, 1024, 128) * 3]
-            scenario(where, warm, INSTANCES, first_alone=False)
+            scenario(where + [replica] * (way == "pulls"), warm, INSTANCES, first_alone=False)
             shared = tokens(rng, PREFIX)
             burst = [shared + tokens(rng, SUFFIX) for _ in range(BURST)]
             runs["burst", way] = scenario(where, burst, BURST, first_alone=False)
@@ -258,6 +335,9 @@ def main() -> None:
             warmed[way] = joining(where, urls[-1], asks, JOIN_PREFIX)
             print(way, {k: (r.computed, r.where) for (k, w), r in runs.items() if w == way},
                   file=sys.stderr, flush=True)  # fmt: skip
+            if way == "pulls":
+                seen = [shared, system, *prefixes]
+                agreed = agreement(where[0], replica, [*seen, *seen], rng)
         crossovers = metric_values(targets["pulls"][0], "kvconnect_router_pull_crossover_tokens")
     finally:
         ps.stop()
@@ -298,8 +378,15 @@ def main() -> None:
         f" (target <= 1) | (c) a third instance restarts empty; its first {JOINED} requests "
         f"(each starting with one of {JOIN_PREFIXES} {JOIN_PREFIX}-token prefixes the others "
         "hold) found cached: "
-        + "; ".join(f"{w} {warmed[w][0]:.0%} ({warmed[w][1]} sent)" for w in targets)
-        + f" (target: pulls >= 90%) | (e) learned pull crossover: {crossover}"
+        + "; ".join(
+            f"{w} {warmed[w][0]:.0%} (it answered {warmed[w][1]} of {warmed[w][2]} sent)"
+            for w in targets
+        )
+        + f" (target: pulls >= 90%) | (e) learned pull crossover: {crossover} | (g) two "
+        f"pulls replicas taking turns, one request at a time ({agreed[2]}, prefixes seen "
+        f"before): the other replica would have chosen the same instance {agreed[0]} times, "
+        f"one within 5% of its cost {agreed[1]} times: "
+        f"{(agreed[0] + agreed[1]) / agreed[2]:.0%} agree (target >= 95%) | {plot(runs, warmed)}"
     )
 
 

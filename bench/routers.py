@@ -70,6 +70,7 @@ import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.request import urlopen
 
 try:  # run as `python bench/routers.py`: vllm_side sits beside it
     import vllm_side
@@ -397,6 +398,56 @@ def front_cost(routers: dict[str, tuple[str, int]], stub_url: str) -> str:
     return "; ".join(out)
 
 
+def pd_front_cost(ps: Processes, prefill: str, decode: str) -> str:
+    """What `kvconnect router --prefill-instance P --decode-instance D` adds to a P/D request
+    of its own (over two instant backends): its time against a client driving the same two
+    steps straight to them (P with do_remote_decode, then D with P's params), interleaved
+    request by request."""
+    port = free_port()
+    ev_p, ev_d = free_port((0, 1)), free_port((0, 1))  # no publisher: the stubs have none
+    p_spec = f"{prefill},tcp://127.0.0.1:{ev_p},tcp://127.0.0.1:{ev_p + 1}"
+    d_spec = f"{decode},tcp://127.0.0.1:{ev_d},tcp://127.0.0.1:{ev_d + 1}"
+    args = [sys.executable, "-m", "kvconnect.cli", "router", "--model", "tiny",
+            "--port", str(port), "--pd-min-tail", "1",
+            "--prefill-instance", p_spec, "--decode-instance", d_spec]  # fmt: skip
+    ps.start(args, "pd-front", f"http://127.0.0.1:{port}")
+    pid = ps.procs[-1].pid
+    rng = random.Random(2)
+    prompt = [rng.randrange(1, 250) for _ in range(PREFIX_TOKENS + SUFFIX_TOKENS)]
+    routed, to_p, to_d = Client(f"http://127.0.0.1:{port}"), Client(prefill), Client(decode)
+    base = {"model": "tiny", "prompt": prompt, "temperature": 0}
+    to_prefill = json.dumps(
+        {**base, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
+    )
+
+    def direct() -> float:
+        start, resp = to_p.post("/v1/completions", to_prefill)
+        params = json.loads(resp.read())["kv_transfer_params"]
+        _, resp = to_d.post(
+            "/v1/completions", json.dumps({**base, "max_tokens": 1, "kv_transfer_params": params})
+        )
+        resp.read()
+        return time.perf_counter() - start
+
+    for _ in range(20):  # warm connections
+        routed.complete(prompt)
+        direct()
+    added = []
+    before = cpu_seconds(pid)
+    for _ in range(FRONT_REQUESTS):
+        base_s = direct()
+        added.append(routed.complete(prompt)[0] - base_s)
+    cpu_us = (cpu_seconds(pid) - before) / FRONT_REQUESTS * 1e6
+    with urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    split = re.search(r'^kvconnect_router_pd_total\{outcome="disaggregated"\} (\S+)$', text, re.M)
+    return (
+        f"added p50/p99 {statistics.median(added) * 1e3:.2f}/{pct(added, 0.99):.2f} ms over "
+        f"a client driving P then D itself (target p50 <= 1 ms), {cpu_us:.0f} us CPU/request, "
+        f"{float(split.group(1)) if split else 0:.0f} disaggregated"
+    )
+
+
 def tiny_part(ttfts: dict[str, list[float]]) -> str:
     """The comparison over two tiny instances and the fronts' own cost; fills `ttfts`."""
     ps = Processes()
@@ -434,9 +485,14 @@ def tiny_part(ttfts: dict[str, list[float]]) -> str:
             )[0]
             front_pids["vllm-router kv_aware"] = ps.procs[-1].pid
         cost = front_cost({n: (u, front_pids[n]) for n, u in fronts.items()}, stub)
+        decode_port = free_port()
+        decode = f"http://127.0.0.1:{decode_port}"
+        ps.start([sys.executable, str(STUB), str(decode_port)], "stub-decode", decode)
+        pd = pd_front_cost(ps, stub, decode)
         return (
             f"routers ({TENANTS} tenants x {PREFIX_TOKENS}-token prefixes, {ROUNDS} rounds, 2 tiny "
             f"instances): " + "; ".join(parts) + f" | front's own added latency p50/p99: {cost}"
+            f"; P/D through kvconnect's router: {pd}"
         )
     finally:
         ps.stop()

@@ -444,7 +444,11 @@ class Router:
             return self.index.score(token_ids, cache_salt)
 
     def pick(
-        self, token_ids: list[int], exclude: set[str], cache_salt: str | None = None
+        self,
+        token_ids: list[int],
+        exclude: set[str],
+        cache_salt: str | None = None,
+        costs_out: dict[str, float] | None = None,
     ) -> Picked | None:
         """The instance in rotation (and not in `exclude`) to send the request to (to decode
         it, in P/D), and the one to pull its prefix from, if pulling wins."""
@@ -460,7 +464,7 @@ class Router:
             for i in self.instances
             if self.pulls and i.peer is not None and self.health.is_up(i.name)
         ]
-        return self._choose(names, token_ids, cache_salt, sources)
+        return self._choose(names, token_ids, cache_salt, sources, costs_out)
 
     def pick_prefill(self, token_ids: list[int], cache_salt: str | None = None) -> Picked | None:
         """P/D: the prefill instance in rotation for the request, by prefix and load."""
@@ -473,11 +477,10 @@ class Router:
         token_ids: list[int],
         cache_salt: str | None,
         sources: list[str] | None = None,
+        costs_out: dict[str, float] | None = None,
     ) -> Picked | None:
         if not names:
             return None
-        if len(self.synced) < len(self.instances) and not self.is_synced():
-            self.decisions_unsynced += 1
         with self.lock:  # one state for both
             scores = self.index.score(token_ids, cache_salt)
             num_blocks = self.index.num_blocks()
@@ -492,6 +495,7 @@ class Router:
             sources or (),
             self.costs.pull_tokens if sources else None,
             partial(self.costs.load_tokens, default_weight=self.load_weight) if sources else None,
+            costs_out,
         )
         source = self._by_name[decision.source] if decision.source else None
         return Picked(self._by_name[decision.instance], decision.score, source)

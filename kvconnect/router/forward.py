@@ -17,6 +17,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 from kvconnect.http.client import (
     UpstreamBroken,
@@ -25,7 +26,7 @@ from kvconnect.http.client import (
     UpstreamTimeout,
 )
 from kvconnect.http.h1_server import Request, Response
-from kvconnect.router.core import Instance, Router, StaleCheck, usage_of
+from kvconnect.router.core import Instance, Router, StaleCheck, Usage, usage_of
 from kvconnect.router.index import PrefixScore
 
 logger = logging.getLogger(__name__)
@@ -54,11 +55,14 @@ async def forward(
     check: StaleCheck | None = None,
     authorization: str | None = None,
     source: str | None = None,
+    streamed_usage: bool = False,
 ) -> Response:
     """Relay one request and its answer; a whole JSON answer's usage is checked against the
     index (`Router.check_cached`) and measures the instance's costs (and the pull's, from
-    `source`, the instance named to pull from: `Router.learn`). `authorization` goes to the
-    instance as that header."""
+    `source`, the instance named to pull from: `Router.learn`). So does a streamed one that
+    ends with a usage chunk (`streamed_usage`: the request asked for it), its time to first
+    token against one completion token. `authorization` goes to the instance as that
+    header."""
     start = time.perf_counter()
     queued = router.in_flight[instance.name] - 1  # the others in flight there
     try:
@@ -92,7 +96,10 @@ async def forward(
                     router.learn(instance.name, score, source, elapsed, usage, queued)
             return Response(upstream.status, body, content_type, headers)
         streamed = True
-        stream = _relay_stream(upstream, instance, router)
+        measure = None
+        if streamed_usage and upstream.status == 200:
+            measure = _Measure(start, score, source, queued, check)
+        stream = _relay_stream(upstream, instance, router, measure)
         return Response(upstream.status, b"", content_type, headers, stream, upstream.release)
     finally:
         if not streamed:
@@ -104,18 +111,66 @@ def _timed_out(router: Router, instance: Instance, e: UpstreamTimeout) -> Respon
     return Response(504, _TIMED_OUT)
 
 
+@dataclass
+class _Measure:
+    """What a streamed answer's usage chunk is measured against (`forward`)."""
+
+    start: float
+    score: PrefixScore
+    source: str | None
+    queued: int
+    check: StaleCheck | None
+    first: float | None = None
+    """When the answer's first bytes came: its first token's."""
+    tail: bytes = b""
+    """The answer's last USAGE_TAIL bytes: the usage chunk is the last event but [DONE]."""
+
+    def add(self, data: bytes) -> None:
+        if self.first is None:
+            self.first = time.perf_counter()
+        self.tail = (self.tail + data[-USAGE_TAIL:])[-USAGE_TAIL:]
+
+    def usage(self) -> Usage | None:
+        """The usage chunk's usage, with the cached-token count; None without one."""
+        tail = self.tail
+        at = tail.rfind(b'"prompt_tokens_details"')
+        begin = tail.rfind(b"data:", 0, at) if at >= 0 else -1
+        if begin < 0:
+            return None
+        end = tail.find(b"\n", at)
+        return usage_of(tail[begin + 5 : end if end >= 0 else len(tail)])
+
+
+USAGE_TAIL = 4096
+
+
+def _learn_stream(router: Router, instance: Instance, m: _Measure) -> None:
+    usage = m.usage()
+    if usage is None or m.first is None:
+        return
+    if m.check is not None and m.score.num_tokens > 0:
+        router.check_cached(instance.name, m.score, m.check, usage)
+    first = Usage(usage.prompt_tokens, 1, usage.prompt_tokens_details)  # to its first token
+    router.learn(instance.name, m.score, m.source, m.first - m.start, first, m.queued)
+
+
 async def _relay_stream(
-    upstream: UpstreamResponse, instance: Instance, router: Router
+    upstream: UpstreamResponse, instance: Instance, router: Router, measure: _Measure | None
 ) -> AsyncIterator[bytes]:
     """A streamed answer, piece by piece as it comes. Once begun it cannot move: an instance
     that cuts it or frames it badly ends it with an SSE error event (for an event stream),
     then the exception, on which the server cuts the client's answer so that it never looks
-    whole (`h1_server`: no last chunk, or a reset)."""
+    whole (`h1_server`: no last chunk, or a reset). With `measure`, a whole answer's usage
+    chunk is a measurement (`Router.learn`)."""
     last = b"\n\n"
     try:
         async for data in upstream.iter_body():
             last = data
+            if measure is not None:
+                measure.add(data)
             yield data
+        if measure is not None:
+            _learn_stream(router, instance, measure)
     except UpstreamBroken as e:
         if isinstance(e, UpstreamTimeout):
             router.mark_down(instance.name, f"stalled mid-answer: {e}")

@@ -56,6 +56,7 @@ def choose(
     sources: Sequence[str] = (),
     pull_tokens: PullTokens | None = None,
     load_tokens: Callable[[str, int], float] | None = None,
+    costs_out: dict[str, float] | None = None,
 ) -> Decision:
     """The cheapest of `candidates` (non-empty) for a request of `num_tokens` prompt tokens.
     With `sources` (instances that serve pulls) and `pull_tokens`, each candidate may also
@@ -66,7 +67,8 @@ def choose(
 
     the prompt past j's prefix computed, i's own hit as usual, the difference pulled. At
     equal cost, no pull. `load_tokens(i, in_flight(i))`, where given, replaces
-    load_weight * in_flight(i) (the measured cost of a queue, costs.py)."""
+    load_weight * in_flight(i) (the measured cost of a queue, costs.py). `costs_out`, where
+    given, gets each candidate's own best cost (to compare two routers' choices)."""
     if not candidates:
         raise ValueError("no instance to route to")
     best: tuple[float, int, int, int, int, int] | None = None
@@ -83,6 +85,8 @@ def choose(
         key = (round(cost, 9), 0, *tie)
         if best is None or key < best:
             best, decision = key, Decision(name, cost, score)
+        if costs_out is not None:
+            costs_out[name] = cost
         if pull_tokens is None:
             continue
         own = score.num_tokens
@@ -99,6 +103,8 @@ def choose(
             key = (round(cost, 9), 1, *tie)
             if key < best:
                 best, decision = key, Decision(name, cost, score, source)
+            if costs_out is not None and cost < costs_out[name]:
+                costs_out[name] = cost
     assert decision is not None
     return decision
 

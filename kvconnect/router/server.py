@@ -9,7 +9,8 @@
     POST /tokenize, /detokenize  the same (vLLM's shapes; every instance has the same model)
     GET  /version                kvconnect's version
     POST /kv/score               {"prompt": ...} or {"messages": [...]}: what each instance
-                                 holds of it
+                                 holds of it, and the choice routing it now would make
+                                 (`choice`: instance, pull source, each instance's cost)
     GET  /health                 each instance's state (and whether its stream's state is in
                                  the index yet); 503 when none is in rotation
     GET  /metrics                Prometheus: decisions, hits per tier, index, streams, health
@@ -217,6 +218,8 @@ class RouterServer:
         prefill_pending = bool(router.prefill_names)  # P/D: once, whichever D answers
         with_params: tuple[bytes, str] | None = None  # P/D: the body with P's params, P
         await router.wait_synced()  # a router just (re)started decides from the whole index
+        if not router.is_synced():
+            router.decisions_unsynced += 1
         if not router.prefill_names:  # a burst sharing a new prefix: computed once, not everywhere
             await router.wait_for_prefill(token_ids, req.cache_salt)
         while True:
@@ -264,6 +267,7 @@ class RouterServer:
                     check,
                     authorization,
                     pulls_from,
+                    req.stream and req.include_usage,
                 )
             except BaseException as e:
                 in_flight[instance.name] -= 1
@@ -325,7 +329,12 @@ class RouterServer:
         """What each instance holds of a prompt or a chat's messages, as the router sees it
         (nothing is sent)."""
         req, token_ids = await self._parse(http, None)
-        scores = self.router.scores(token_ids, req.cache_salt)
+        router = self.router
+        scores = router.scores(token_ids, req.cache_salt)
+        costs: dict[str, float] = {}
+        picked = (
+            None if router.prefill_names else router.pick(token_ids, set(), req.cache_salt, costs)
+        )
         instances = {
             name: {
                 "cached_blocks": sc.num_blocks,
@@ -335,7 +344,12 @@ class RouterServer:
             }
             for name, sc in scores.items()
         }
-        return json_response({"prompt_tokens": len(token_ids), "instances": instances})
+        choice = None
+        if picked is not None:  # what routing it now would choose (in prompt tokens' worth)
+            source = picked.source.name if picked.source is not None else None
+            choice = {"instance": picked.instance.name, "source": source, "costs": costs}
+        answer = {"prompt_tokens": len(token_ids), "instances": instances, "choice": choice}
+        return json_response(answer)
 
     async def health(self, _: Request) -> Response:
         states, synced = self.router.health.states, self.router.synced

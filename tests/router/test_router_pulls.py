@@ -131,6 +131,11 @@ def test_a_busy_holder_lends_its_prefix_to_the_idle_instance(
     [other] = [s.url for s in pair[1] if s.url != holder]
     held_by(router, next(s for s in pair[1] if s.url == holder), tokens, 128)
     long = busy(router, holder, tokens)
+    status, scored, _ = post(router.url + "/kv/score", {"prompt": tokens})  # what it would do
+    assert status == 200 and scored["choice"]["instance"] == other, scored
+    assert scored["choice"]["source"] == holder, scored
+    costs = scored["choice"]["costs"]
+    assert costs[other] < costs[holder], scored
     again, cached, went = complete(router.url, tokens)
     assert (went, cached, again) == (other, 128, text)  # pulled 4 chunks of 32, same answer
     text_m = metrics(router.url)
@@ -163,6 +168,32 @@ def test_the_router_learns_each_instances_prefill_time_and_shows_it(
         for s in pair[1]
     }
     assert any(v is not None and v > 0 for v in fitted.values()), text
+
+
+def test_streamed_answers_with_a_usage_chunk_are_measured_too(
+    pair: tuple[Path, list[Serve]], router: RouterProcess
+) -> None:
+    """A streamed answer that ends with its usage (stream_options.include_usage) measures
+    its instance as a whole one does: the time to its first token, against the prompt
+    tokens it computed. Without the usage chunk, nothing is learned."""
+    for seed, n in enumerate((64, 2048, 256, 1536, 512, 1024, 128, 3000) * 2):
+        body = {"model": "tiny", "prompt": prompt(300 + seed, n), "max_tokens": 4,
+                "temperature": 0, "stream": True}  # fmt: skip
+        status, text, _ = post(router.url + "/v1/completions", body)
+        assert status == 200 and str(text).rstrip().endswith("data: [DONE]"), text
+    before = metrics(router.url)
+    assert value(before, "kvconnect_router_prefill_seconds_per_token") is None, before
+    for seed, n in enumerate((64, 2048, 256, 1536, 512, 1024, 128, 3000) * 2):
+        body = {"model": "tiny", "prompt": prompt(400 + seed, n), "max_tokens": 4,
+                "temperature": 0, "stream": True,
+                "stream_options": {"include_usage": True}}  # fmt: skip
+        status, text, _ = post(router.url + "/v1/completions", body)
+        assert status == 200 and '"prompt_tokens_details"' in str(text), text
+    text = metrics(router.url)
+    fitted = [
+        value(text, "kvconnect_router_prefill_seconds_per_token", instance=s.url) for s in pair[1]
+    ]
+    assert any(v is not None and v > 0 for v in fitted), text
 
 
 def burst(router: RouterProcess, tokens_of: list[list[int]]) -> list[tuple[str, int, str]]:
