@@ -21,6 +21,11 @@ instances):
     with one of them (in turn) arrive, CONCURRENCY at a time, until the new instance has
     answered JOINED of them. Reported: the share of their shared prefixes those JOINED
     requests found cached (pulled, or held by then: most of them meet a prefix new to it).
+(d) P/D: PD_PROMPTS prompts of PD_PROMPT tokens with PD_ANSWER-token streamed answers,
+    in turn monolithic (straight to the second instance) and through a P/D router (the first
+    instance prefills, the second decodes: `--prefill-instance`, `--decode-instance`).
+    Reported: TTFT, inter-token latency and end-to-end medians; and whether each P/D answer
+    equals the decode instance's own answer to the same prompt.
 (e) the pull crossover the router learned (its /metrics), beside bench/peer_pull.py's.
 (g) replicas: a second pulls router follows the same instances and takes half of the pulls
     way's warm-up; then 2 x (2 + JOIN_PREFIXES) requests go one at a time, in turn through
@@ -59,6 +64,7 @@ HOT, CONCURRENCY = 24, 6
 INSTANCES = 3
 CHUNK = 128
 JOIN_PREFIXES, JOIN_PREFIX, JOINED = 12, 1024, 10
+PD_PROMPTS, PD_PROMPT, PD_ANSWER = 4, 4000, 32
 
 
 @dataclass
@@ -219,6 +225,58 @@ def joining(
     return sum(first) / (prefix * max(1, len(first))), len(first), sent
 
 
+@dataclass
+class Streamed:
+    ttft: float
+    itl: float
+    """Inter-token latency: the time after the first token over the tokens after it."""
+    e2e: float
+    text: str
+
+
+def stream(url: str, prompt: list[int]) -> Streamed:
+    """A streamed completion of PD_ANSWER tokens (ignore_eos) through `url`, timed."""
+    body = json.dumps(
+        {"model": "smollm2", "prompt": prompt, "max_tokens": PD_ANSWER, "temperature": 0,
+         "ignore_eos": True, "stream": True}
+    )  # fmt: skip
+    start, resp = routers.Client(url).post("/v1/completions", body)
+    if resp.status != 200:
+        raise RuntimeError(f"{url}: {resp.status}: {resp.read()[:300]!r}")
+    first, text = 0.0, []
+    while line := resp.readline():
+        if line.startswith(b"data: {"):
+            for c in json.loads(line[6:]).get("choices") or ():
+                if c.get("text"):
+                    first = first or time.perf_counter()
+                    text.append(c["text"])
+    end = time.perf_counter()
+    return Streamed(first - start, (end - first) / (PD_ANSWER - 1), end - start, "".join(text))
+
+
+def pd_scenario(
+    ps: routers.Processes, instances: list[tuple[str, int, int]], rng: random.Random
+) -> tuple[list[Streamed], list[Streamed], int]:
+    """(d) PD_PROMPTS prompts of PD_PROMPT tokens, each once monolithic (straight to the
+    second instance) and once through a P/D router (the first instance prefills, the second
+    decodes), in turn; and how many answers differed."""
+    port = routers.free_port()
+    (p_url, p_ev, _), (d_url, d_ev, _) = instances[0], instances[1]
+    p_spec = f"{p_url},tcp://127.0.0.1:{p_ev},tcp://127.0.0.1:{p_ev + 10000}"
+    d_spec = f"{d_url},tcp://127.0.0.1:{d_ev},tcp://127.0.0.1:{d_ev + 10000}"
+    args = [sys.executable, "-m", "kvconnect.cli", "router", "--model", "smollm2",
+            "--port", str(port),
+            "--prefill-instance", p_spec, "--decode-instance", d_spec]  # fmt: skip
+    ps.start(args, "router-pd", f"http://127.0.0.1:{port}")
+    mono, pd, differ = [], [], 0
+    for _ in range(PD_PROMPTS):
+        prompt = tokens(rng, PD_PROMPT)
+        pd.append(stream(f"http://127.0.0.1:{port}", prompt))
+        mono.append(stream(d_url, tokens(rng, PD_PROMPT)))
+        differ += stream(d_url, prompt).text != pd[-1].text  # the same prompt, now cached
+    return mono, pd, differ
+
+
 def choice(router: str, prompt: list[int]) -> dict[str, Any]:
     req = urllib.request.Request(
         router + "/kv/score",
@@ -259,6 +317,19 @@ def pct(xs: list[float], q: float) -> float:
     return routers.pct(xs, q)
 
 
+def pd_part(mono: list[Streamed], pd: list[Streamed], differ: int) -> str:
+    def med(xs: list[Streamed], f: str) -> float:
+        return statistics.median(getattr(x, f) for x in xs) * 1e3
+
+    return (
+        f"monolithic TTFT {med(mono, 'ttft'):.0f}, ITL {med(mono, 'itl'):.1f}, end to end "
+        f"{med(mono, 'e2e'):.0f}; P/D through the router TTFT {med(pd, 'ttft'):.0f}, ITL "
+        f"{med(pd, 'itl'):.1f}, end to end {med(pd, 'e2e'):.0f} "
+        f"({med(pd, 'e2e') / med(mono, 'e2e'):.2f}x); answers differing from the decode "
+        f"instance's own: {differ}"
+    )
+
+
 PLOT = Path(__file__).resolve().parent / "placement.png"
 
 
@@ -284,7 +355,8 @@ def plot(
         b.bar([k - 0.2, k + 0.2], [pct(t, 0.5), pct(t, 0.9)], width=0.38,
               color=colors[w], alpha=0.6)  # fmt: skip
     b.set_xticks(range(len(ways)), [f"{w}\np50 | p90" for w in ways])
-    b.set_title(f"(b) hot {PREFIX}-token prefix,\n{HOT} requests: TTFT ms")
+    b.set_yscale("log")
+    b.set_title(f"(b) hot {PREFIX}-token prefix,\n{HOT} requests: TTFT ms (log)")
     c.bar(ways, [warmed[w][0] * 100 for w in ways], color=[colors[w] for w in ways])
     c.set_ylim(0, 100)
     c.set_title(f"(c) restarted instance: first {JOINED}\nrequests' prefix cached, %")
@@ -339,6 +411,7 @@ def main() -> None:
                 seen = [shared, system, *prefixes]
                 agreed = agreement(where[0], replica, [*seen, *seen], rng)
         crossovers = metric_values(targets["pulls"][0], "kvconnect_router_pull_crossover_tokens")
+        mono, pd, differ = pd_scenario(ps, instances, rng)
     finally:
         ps.stop()
 
@@ -382,7 +455,10 @@ def main() -> None:
             f"{w} {warmed[w][0]:.0%} (it answered {warmed[w][1]} of {warmed[w][2]} sent)"
             for w in targets
         )
-        + f" (target: pulls >= 90%) | (e) learned pull crossover: {crossover} | (g) two "
+        + f" (target: pulls >= 90%) | (d) P/D, {PD_PROMPTS} prompts of {PD_PROMPT} tokens, "
+        f"{PD_ANSWER}-token answers, streamed, median ms: "
+        + pd_part(mono, pd, differ)
+        + f" | (e) learned pull crossover: {crossover} | (g) two "
         f"pulls replicas taking turns, one request at a time ({agreed[2]}, prefixes seen "
         f"before): the other replica would have chosen the same instance {agreed[0]} times, "
         f"one within 5% of its cost {agreed[1]} times: "

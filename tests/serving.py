@@ -262,3 +262,17 @@ def serve_behind_router(tmp: Path, *serve_args: str) -> Iterator[tuple[Serve, Ro
     finally:
         router.stop()
         assert server.stop() == 0, server.logs()
+
+
+@contextmanager
+def serving(servers: list[Serve]) -> Iterator[list[Serve]]:
+    """`servers` started, for a module's tests; on the way out each one still running must
+    exit cleanly (Ctrl-C: status 0)."""
+    try:
+        for s in servers:
+            s.start()
+        yield servers
+    finally:
+        for s in servers:
+            if s.proc is not None:
+                assert s.stop() == 0, s.logs()

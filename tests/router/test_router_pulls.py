@@ -22,7 +22,7 @@ import pytest
 
 from tests.helpers import free_port, wait_for
 from tests.router.test_router_pd import config
-from tests.serving import RouterProcess, Serve, get, post
+from tests.serving import RouterProcess, Serve, get, post, serving
 
 pytestmark = pytest.mark.slow
 
@@ -40,14 +40,8 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, list[
         port = free_port()
         details = "--enable-prompt-tokens-details"
         servers.append(Serve(tmp, "--kv-transfer-config", config(port), details, peer_port=port))
-    try:
-        for s in servers:
-            s.start()
+    with serving(servers):
         yield tmp, servers
-    finally:
-        for s in servers:
-            if s.proc is not None:
-                assert s.stop() == 0, s.logs()
 
 
 @pytest.fixture

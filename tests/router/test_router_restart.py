@@ -20,7 +20,7 @@ import pytest
 
 from tests.helpers import wait_for
 from tests.router.test_router_pulls import complete, metrics, value
-from tests.serving import RouterProcess, Serve, get, post
+from tests.serving import RouterProcess, Serve, get, post, serving
 
 pytestmark = pytest.mark.slow
 
@@ -105,18 +105,9 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, list[
         '{"kv_connector": "OffloadConnector", "kv_role": "kv_both", "kv_connector_extra_config":'
         ' {"chunk_size": 32, "tiers": [{"kind": "cpu", "max_bytes": 67108864}]}}'
     )
-    servers = [
-        Serve(tmp, "--kv-transfer-config", config, "--enable-prompt-tokens-details")
-        for _ in range(2)
-    ]
-    try:
-        for s in servers:
-            s.start()
-        yield tmp, servers
-    finally:
-        for s in servers:
-            if s.proc is not None:
-                assert s.stop() == 0, s.logs()
+    details = "--enable-prompt-tokens-details"
+    with serving([Serve(tmp, "--kv-transfer-config", config, details) for _ in range(2)]) as s:
+        yield tmp, s
 
 
 def traffic(url: str, stop: threading.Event) -> threading.Thread:
