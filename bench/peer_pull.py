@@ -6,7 +6,8 @@ environment), one line:
     pulled      TTFT on B of a prompt A computed, B naming A as `remote_kv_source`
     local       the same prompt on B again after vLLM's own cache was emptied
                 (`/reset_prefix_cache`): loaded from B's cpu tier, where the pull left it
-                (both the median of REPEATS prompts)
+                (both the median of REPEATS prompts; each prompt's pulled/local too;
+                A's stores of a prompt land before B pulls it, as B's before its local load)
     bytes       what the pull moved; the pull's cost over the local load, as a rate, beside
                 a bare TCP copy of the same bytes between two processes (the limit), this run
     crossover   the prompt length below which recomputing costs less than pulling, from the
@@ -144,6 +145,7 @@ def measure(lengths: list[int]) -> dict[str, Any]:
             for _ in range(REPEATS):  # each a prompt of its own, A's to compute first
                 shared = fresh(n)
                 run(a, shared)
+                run(a, fresh(32))  # a step: A's stores land in its cpu tier, as B's below
                 source = {"remote_kv_source": {"host": "127.0.0.1", "port": a_port}}
                 answer, took = run(b, shared, kv_transfer_params=source)
                 pulled.append(took)
@@ -154,6 +156,7 @@ def measure(lengths: list[int]) -> dict[str, Any]:
                 local.append(took)
                 row["local_tokens"] = cached(answer)
             row["pulled"], row["local"] = statistics.median(pulled), statistics.median(local)
+            row["ratio"] = statistics.median(p / lo for p, lo in zip(pulled, local, strict=True))
             row["bytes"] = row["pulled_tokens"] * TOKEN_BYTES
             row["bare_tcp"] = bare_tcp(row["bytes"])
             pd = fresh(n)
@@ -204,7 +207,8 @@ def main() -> None:
         parts.append(
             f"{x['n']}: recompute {ms['recompute']:.0f} / pulled {ms['pulled']:.0f} "
             f"({x['pulled_tokens']} tokens, {x['bytes'] / 1e6:.0f} MB) / local cpu "
-            f"{ms['local']:.0f} ms, pulled/local {x['pulled'] / x['local']:.2f}, "
+            f"{ms['local']:.0f} ms, pulled/local {x['pulled'] / x['local']:.2f} (median of "
+            f"each prompt's {x['ratio']:.2f}), "
             f"recompute/pulled {x['recompute'] / x['pulled']:.1f}x; the pull's cost over a "
             f"local load {extra_ms:.0f} ms = {rate:.2f} GB/s (bare TCP "
             f"{x['bytes'] / x['bare_tcp'] / 1e9:.2f} GB/s); P/D {ms['pd']:.0f} ms (P "
