@@ -288,10 +288,12 @@ class Router:
         assert sub is not None
         everyone = len(self.instances)
         while not self._closing:
-            # Until every stream is synced, a handshake that queued nothing must be seen too;
+            # Until every stream is synced, a handshake that queued nothing must be seen too
+            # (for SYNC_WAIT_S: a stream never reached must not keep the thread waking up);
             # then the thread sleeps until a batch comes (no wake-ups of its own).
             syncing = len(self.synced) < everyone
-            item = sub.recv(SYNC_POLL_S if syncing else None)
+            polling = syncing and time.monotonic() - self.started < SYNC_WAIT_S
+            item = sub.recv(SYNC_POLL_S if polling else None)
             if item is not None:
                 name = self._name_by_endpoint[item.stream.endpoint]
                 with self.lock:
