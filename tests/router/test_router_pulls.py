@@ -164,20 +164,24 @@ def test_the_router_learns_each_instances_prefill_time_and_shows_it(
     assert any(v is not None and v > 0 for v in fitted.values()), text
 
 
+LENGTHS = (64, 2048, 256, 1536, 512, 1024, 128, 3000)
+
+
 def test_streamed_answers_with_a_usage_chunk_are_measured_too(
     pair: tuple[Path, list[Serve]], router: RouterProcess
 ) -> None:
     """A streamed answer that ends with its usage (stream_options.include_usage) measures
     its instance as a whole one does: the time to its first token, against the prompt
-    tokens it computed. Without the usage chunk, nothing is learned."""
-    for seed, n in enumerate((64, 2048, 256, 1536, 512, 1024, 128, 3000) * 2):
+    tokens it computed. Without the usage chunk, nothing is learned. (Eight answers: one
+    instance gets at least four, MIN_ANSWERS.)"""
+    for seed, n in enumerate(LENGTHS):
         body = {"model": "tiny", "prompt": prompt(300 + seed, n), "max_tokens": 4,
                 "temperature": 0, "stream": True}  # fmt: skip
         status, text, _ = post(router.url + "/v1/completions", body)
         assert status == 200 and str(text).rstrip().endswith("data: [DONE]"), text
     before = metrics(router.url)
     assert value(before, "kvconnect_router_prefill_seconds_per_token") is None, before
-    for seed, n in enumerate((64, 2048, 256, 1536, 512, 1024, 128, 3000) * 2):
+    for seed, n in enumerate(LENGTHS):
         body = {"model": "tiny", "prompt": prompt(400 + seed, n), "max_tokens": 4,
                 "temperature": 0, "stream": True,
                 "stream_options": {"include_usage": True}}  # fmt: skip
