@@ -113,6 +113,7 @@ def restart(
 ) -> None:
     """Instance `index` stopped and started again (empty), back in rotation and synced at
     every router in `routed`."""
+    complete(url, list(range(100, 164)))  # its stream has published: the restart shows
     seen = {r: metric_total(r, "kvconnect_router_publisher_restarts_total") for r in routed}
     proc = ps.procs[index]
     proc.send_signal(signal.SIGINT)

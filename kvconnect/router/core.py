@@ -85,9 +85,10 @@ SYNC_WAIT_S = 10.0
 """From the router's start, how long a request waits for every instance in rotation to be
 synced (its stream's snapshot and replay applied: `Router.wait_synced`): no decision is made
 from a partial index unless an instance's state has not come by then."""
-CONNECT_WAIT_S = 1.0
+CONNECT_WAIT_S = 0.3
 """An instance whose event stream is not reached this long after the start (and after the
-last handshake: they run one at a time) is not waited for: it connects later, or never."""
+last handshake: they run one at a time) is not waited for: it connects later, or never (a
+reachable publisher's connection is up in milliseconds)."""
 SYNC_POLL_S = 0.1
 """How long a prefill whose answer ended stays pending for its events (they may come after
 the answer: a request then routed would find no holder and compute the prefix again)."""

@@ -235,23 +235,31 @@ def test_a_burst_sharing_a_new_prefix_computes_it_once(
 def test_a_restarted_instance_gets_its_first_prefixes_by_pulling_them(
     pair: tuple[Path, list[Serve]], router: RouterProcess
 ) -> None:
-    """Item 4, warm new instances: O restarts empty (its index entries dropped with its
-    publisher's restart) while H holds a prompt and is busy; O's first request for that
-    prompt pulls H's 4 chunks instead of computing them, and answers as H did."""
+    """Item 4, warm new instances: O, which held a prompt of its own, restarts empty (the
+    router drops its entries on its publisher's restart) while H holds a prompt and is
+    busy; O's first request for H's prompt pulls H's 4 chunks instead of computing them,
+    and answers as H did."""
     tokens = prompt(3)
     text, _, holder = complete(router.url, tokens)
     h = next(s for s in pair[1] if s.url == holder)
     [o] = [s for s in pair[1] if s.url != holder]
     held_by(router, h, tokens, 128)
+    own = prompt(4)
+    complete(o.url, own)  # straight to O: its stream has published, its restart shows
+    held_by(router, o, own, 128)
+    before = value(metrics(router.url), "kvconnect_router_publisher_restarts_total") or 0
     o.kill()
     o.start()
 
     def o_is_back() -> bool:
         text = metrics(router.url)
         restarts = value(text, "kvconnect_router_publisher_restarts_total") or 0
-        return restarts >= 1 and value(text, "kvconnect_router_instance_up", instance=o.url) == 1
+        up = value(text, "kvconnect_router_instance_up", instance=o.url) == 1
+        return restarts > before and up
 
     wait_for(o_is_back, timeout=60, what=f"{o.url} back in rotation, its old entries dropped")
+    _, scored, _ = post(router.url + "/kv/score", {"prompt": own})
+    assert scored["instances"][o.url]["cached_tokens"] == 0, scored
     long = busy(router, holder, tokens)
     again, cached, went = complete(router.url, tokens)
     assert (went, cached, again) == (o.url, 128, text)
