@@ -81,6 +81,8 @@ there until the index shows them (or its answer ends): a request arriving meanwh
 shares at least this many of its tokens waits for them (`Router.wait_for_prefill`)."""
 MAX_PENDING_WAIT_S = 30.0
 EVENTS_GRACE_S = 5.0
+"""How long a prefill whose answer ended stays pending for its events (they may come after
+the answer: a request then routed would find no holder and compute the prefix again)."""
 SYNC_WAIT_S = 10.0
 """From the router's start, how long a request waits for every instance in rotation to be
 synced (its stream's snapshot and replay applied: `Router.wait_synced`): no decision is made
@@ -90,8 +92,6 @@ CONNECT_WAIT_S = 0.3
 last handshake: they run one at a time) is not waited for: it connects later, or never (a
 reachable publisher's connection is up in milliseconds)."""
 SYNC_POLL_S = 0.1
-"""How long a prefill whose answer ended stays pending for its events (they may come after
-the answer: a request then routed would find no holder and compute the prefix again)."""
 
 StaleCheck = tuple[list[int], str | None]
 """(prompt token ids, cache salt): what to check an answer's cached tokens against."""

@@ -569,8 +569,7 @@ class OffloadWorker:
                     with self._lock:
                         self._count("peer_hits")
                         self._count("peer_bytes_loaded", data.numel() * data.element_size())
-                    if slot is not None:
-                        assert sink is not None
+                    if sink is not None and slot is not None:
                         sink.commit(slot, key, info, data)
                     elif local:
                         self._put(local[0], key, info, data)
