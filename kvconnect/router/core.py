@@ -332,24 +332,24 @@ class Router:
             for i in self.instances
         )
 
-    async def wait_synced(self) -> None:
-        """Until `is_synced`, or until SYNC_WAIT_S after the start: a router that starts (or
-        restarts) while traffic flows makes its first decision from the whole index."""
-        if self.is_synced():
-            return
+    async def wait_synced(self) -> bool:
+        """Until `is_synced` (True), or until SYNC_WAIT_S after the start (False): a router
+        that starts (or restarts) while traffic flows makes its first decision from the
+        whole index."""
         loop = asyncio.get_running_loop()
         while not self.is_synced():
             left = self.started + SYNC_WAIT_S - time.monotonic()
             if left <= 0:
-                return
+                return False
             future: asyncio.Future[None] = loop.create_future()
             with self.lock:
                 self._applied.append((loop, future))
             if self.is_synced():
-                return
+                break
             # an instance leaving rotation ends the wait too: look again now and then
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(future, min(left, SYNC_POLL_S * 5))
+        return True
 
     def _wake(self) -> None:
         """Every `wait_for_prefill` looks again (the index or the prefills changed)."""

@@ -91,9 +91,8 @@ async def forward(
                 usage = usage_of(body)  # once, for both
                 if usage is not None:
                     json_answer = content_type.startswith("application/json")
-                    if check is not None and score.num_tokens > 0 and json_answer:
-                        router.check_cached(instance.name, score, check, usage)
-                    router.learn(instance.name, score, source, elapsed, usage, queued)
+                    checked = check if json_answer else None
+                    _measured(router, instance, score, source, elapsed, usage, queued, checked)
             return Response(upstream.status, body, content_type, headers)
         streamed = True
         measure = None
@@ -144,14 +143,28 @@ class _Measure:
 USAGE_TAIL = 4096
 
 
+def _measured(
+    router: Router,
+    instance: Instance,
+    score: PrefixScore,
+    source: str | None,
+    elapsed: float,
+    usage: Usage,
+    queued: int,
+    check: StaleCheck | None,
+) -> None:
+    """An answer's usage, checked against the index (`check`) and learned from."""
+    if check is not None and score.num_tokens > 0:
+        router.check_cached(instance.name, score, check, usage)
+    router.learn(instance.name, score, source, elapsed, usage, queued)
+
+
 def _learn_stream(router: Router, instance: Instance, m: _Measure) -> None:
     usage = m.usage()
     if usage is None or m.first is None:
         return
-    if m.check is not None and m.score.num_tokens > 0:
-        router.check_cached(instance.name, m.score, m.check, usage)
     first = Usage(usage.prompt_tokens, 1, usage.prompt_tokens_details)  # to its first token
-    router.learn(instance.name, m.score, m.source, m.first - m.start, first, m.queued)
+    _measured(router, instance, m.score, m.source, m.first - m.start, first, m.queued, m.check)
 
 
 async def _relay_stream(

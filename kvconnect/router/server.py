@@ -217,8 +217,7 @@ class RouterServer:
         failed = ""
         prefill_pending = bool(router.prefill_names)  # P/D: once, whichever D answers
         with_params: tuple[bytes, str] | None = None  # P/D: the body with P's params, P
-        await router.wait_synced()  # a router just (re)started decides from the whole index
-        if not router.is_synced():
+        if not await router.wait_synced():  # a router just (re)started: the whole index
             router.decisions_unsynced += 1
         if not router.prefill_names:  # a burst sharing a new prefix: computed once, not everywhere
             await router.wait_for_prefill(token_ids, req.cache_salt)
