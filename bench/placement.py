@@ -14,7 +14,8 @@ instances):
     of its own) sent at once. Reported: prompt tokens computed (the sum of prompt_tokens minus
     cached_tokens over the answers: a count, which a busy machine does not blur) and TTFT
     p50/p90 (one-token answers, so the whole answer's time).
-(b) hot prefix: HOT requests sharing one PREFIX-token system prompt, CONCURRENCY at a time.
+(b) hot prefix: HOT requests sharing one PREFIX-token system prompt, each with HOT_SUFFIX
+    tokens of its own (a chat's new turn: work the holder must do), CONCURRENCY at a time.
     Reported: requests per second, TTFT p50/p90, the requests each instance answered.
 (c) warm-up: the third instance restarts, empty, while the other two hold JOIN_PREFIXES
     prompts of JOIN_PREFIX tokens (computed there directly); then requests that each start
@@ -60,7 +61,7 @@ except ImportError:  # imported as bench.placement
 
 PREFIX, SUFFIX = 2048, 16
 BURST = 12
-HOT, CONCURRENCY = 24, 6
+HOT, CONCURRENCY, HOT_SUFFIX = 24, 6, 256
 INSTANCES = 3
 CHUNK = 128
 JOIN_PREFIXES, JOIN_PREFIX, JOINED = 12, 1024, 10
@@ -396,7 +397,7 @@ def main() -> None:
             burst = [shared + tokens(rng, SUFFIX) for _ in range(BURST)]
             runs["burst", way] = scenario(where, burst, BURST, first_alone=False)
             system = tokens(rng, PREFIX)
-            hot = [system + tokens(rng, SUFFIX) for _ in range(HOT)]
+            hot = [system + tokens(rng, HOT_SUFFIX) for _ in range(HOT)]
             runs["hot", way] = scenario(where, hot, CONCURRENCY, first_alone=True)
             # (c): the first two instances hold the prefixes; the third restarts empty
             prefixes = [tokens(rng, JOIN_PREFIX) for _ in range(JOIN_PREFIXES)]

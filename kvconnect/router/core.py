@@ -159,6 +159,8 @@ class Picked(NamedTuple):
     instance: Instance
     score: PrefixScore
     source: Instance | None = None
+    computed: int = 0
+    """The prompt tokens the instance is expected to compute."""
 
 
 @dataclass(eq=False)
@@ -234,6 +236,9 @@ class Router:
         """Keys for event streams with CURVE on (stream/curve.py); None reads plain ones."""
         self.lock = threading.Lock()
         self.in_flight: Counter[str] = Counter()
+        self.pending: Counter[str] = Counter()
+        """Per instance, the prompt tokens it is expected to compute for the requests in
+        flight there (`Picked.computed`), until their answers end."""
         self.decisions: Counter[str] = Counter()
         self.hit_blocks: Counter[str] = Counter()
         self.failures: Counter[str] = Counter()
@@ -499,9 +504,10 @@ class Router:
             self.costs.pull_tokens if sources else None,
             partial(self.costs.load_tokens, default_weight=self.load_weight) if sources else None,
             costs_out,
+            {n: self.pending[n] for n in names},
         )
         source = self._by_name[decision.source] if decision.source else None
-        return Picked(self._by_name[decision.instance], decision.score, source)
+        return Picked(self._by_name[decision.instance], decision.score, source, decision.computed)
 
     def mark_down(self, name: str, reason: str) -> None:
         self.health.mark(name, False, reason)
@@ -524,16 +530,18 @@ class Router:
         elapsed_s: float,
         usage: Usage,
         queued: int = 0,
+        ahead: int = 0,
     ) -> None:
         """A whole answer from `name` with `usage` (`usage_of`; sent with `source` to pull
-        from, while `queued` other requests were in flight there), `elapsed_s` after the
-        request left: one measurement of its costs (costs.py)."""
+        from, while `queued` other requests were in flight there, with `ahead` prompt tokens
+        to compute: `pending`), `elapsed_s` after the request left: one measurement of its
+        costs (costs.py), the tokens ahead of it counted with its own."""
         assert usage.prompt_tokens_details is not None
         cached = usage.prompt_tokens_details.cached_tokens or 0
         computed = max(0, usage.prompt_tokens - cached)
         pulled = max(0, cached - score.num_tokens) if source else 0
         self.costs.observe(
-            name, elapsed_s, computed, usage.completion_tokens, source, pulled, queued
+            name, elapsed_s, computed + ahead, usage.completion_tokens, source, pulled, queued
         )
 
     def prompt_tokens(self, req: CompletionRequest | ChatCompletionRequest) -> list[int]:

@@ -56,13 +56,15 @@ async def forward(
     authorization: str | None = None,
     source: str | None = None,
     streamed_usage: bool = False,
+    ahead: int = 0,
 ) -> Response:
     """Relay one request and its answer; a whole JSON answer's usage is checked against the
     index (`Router.check_cached`) and measures the instance's costs (and the pull's, from
     `source`, the instance named to pull from: `Router.learn`). So does a streamed one that
     ends with a usage chunk (`streamed_usage`: the request asked for it), its time to first
     token against one completion token. `authorization` goes to the instance as that
-    header."""
+    header; `ahead`: the prompt tokens the instance had to compute for others when it was
+    sent (`Router.pending`)."""
     start = time.perf_counter()
     queued = router.in_flight[instance.name] - 1  # the others in flight there
     try:
@@ -92,12 +94,14 @@ async def forward(
                 if usage is not None:
                     json_answer = content_type.startswith("application/json")
                     checked = check if json_answer else None
-                    _measured(router, instance, score, source, elapsed, usage, queued, checked)
+                    _measured(
+                        router, instance, score, source, elapsed, usage, (queued, ahead), checked
+                    )
             return Response(upstream.status, body, content_type, headers)
         streamed = True
         measure = None
         if streamed_usage and upstream.status == 200:
-            measure = _Measure(start, score, source, queued, check)
+            measure = _Measure(start, score, source, (queued, ahead), check)
         stream = _relay_stream(upstream, instance, router, measure)
         return Response(upstream.status, b"", content_type, headers, stream, upstream.release)
     finally:
@@ -117,7 +121,8 @@ class _Measure:
     start: float
     score: PrefixScore
     source: str | None
-    queued: int
+    queued: tuple[int, int]
+    """The requests in flight there when it was sent, and their prompt tokens to compute."""
     check: StaleCheck | None
     first: float | None = None
     """When the answer's first bytes came: its first token's."""
@@ -150,13 +155,14 @@ def _measured(
     source: str | None,
     elapsed: float,
     usage: Usage,
-    queued: int,
+    queued: tuple[int, int],
     check: StaleCheck | None,
 ) -> None:
-    """An answer's usage, checked against the index (`check`) and learned from."""
+    """An answer's usage, checked against the index (`check`) and learned from (`queued`:
+    the requests in flight there when it was sent, and their prompt tokens to compute)."""
     if check is not None and score.num_tokens > 0:
         router.check_cached(instance.name, score, check, usage)
-    router.learn(instance.name, score, source, elapsed, usage, queued)
+    router.learn(instance.name, score, source, elapsed, usage, *queued)
 
 
 def _learn_stream(router: Router, instance: Instance, m: _Measure) -> None:

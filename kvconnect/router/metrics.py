@@ -131,6 +131,9 @@ class RouterMetrics(Collector):
              {n: r.failures[n] for n in names}),
             (G, "in_flight", "Requests in flight per instance.", "instance",
              {n: r.in_flight[n] for n in names}),
+            (G, "pending_prefill_tokens", "Prompt tokens each instance is expected to "
+             "compute for the requests in flight there.", "instance",
+             {n: r.pending[n] for n in names}),
             (G, "instance_up", "1 while an instance is in rotation.", "instance",
              {n: float(r.health.is_up(n)) for n in names}),
             (C, "hit_blocks", "Cached prefix blocks of routed requests, by tier.", "tier",

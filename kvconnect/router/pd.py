@@ -109,7 +109,7 @@ async def prefilled(
     if picked is None:
         router.pd["no_prefill_instance"] += 1
         return None
-    prefill, score, _ = picked
+    prefill, score, _, _ = picked
     if tail < min_tail_of(router.costs, prefill.name, decode, min_tail):
         router.pd["local"] += 1
         return None

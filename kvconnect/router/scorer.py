@@ -13,7 +13,10 @@ is least-loaded routing.
 
 Where instances serve each other's prefixes (the peer tier, `remote_kv_source`), a candidate
 may also pull what another holds beyond its own prefix (`choose`'s `sources`); the pull's
-cost is learned from answers (costs.py). Without sources the choice depends on nothing but
+cost is learned from answers (costs.py), and a candidate's load counts what it has still to
+prefill for the requests in flight there (`pending`: the router's own count, as Dynamo's
+router counts active prefill tokens) besides their measured cost per request. Without sources
+the choice depends on nothing but
 the index and the loads, so router replicas that follow the same streams decide alike; with
 them, on each replica's fits too, which agree once both have seen answers.
 """
@@ -38,6 +41,9 @@ class Decision:
     score: PrefixScore
     source: str | None = None
     """An instance to pull the prefix from (`remote_kv_source`): it holds more of it."""
+    computed: int = 0
+    """The prompt tokens the instance is expected to compute (what it lacks, or what
+    neither it nor the source holds)."""
 
 
 PullTokens = Callable[[str, str, int], float]
@@ -57,6 +63,7 @@ def choose(
     pull_tokens: PullTokens | None = None,
     load_tokens: Callable[[str, int], float] | None = None,
     costs_out: dict[str, float] | None = None,
+    pending: Mapping[str, int] | None = None,
 ) -> Decision:
     """The cheapest of `candidates` (non-empty) for a request of `num_tokens` prompt tokens.
     With `sources` (instances that serve pulls) and `pull_tokens`, each candidate may also
@@ -67,8 +74,10 @@ def choose(
 
     the prompt past j's prefix computed, i's own hit as usual, the difference pulled. At
     equal cost, no pull. `load_tokens(i, in_flight(i))`, where given, replaces
-    load_weight * in_flight(i) (the measured cost of a queue, costs.py). `costs_out`, where
-    given, gets each candidate's own best cost (to compare two routers' choices)."""
+    load_weight * in_flight(i) (the measured cost of a queue, costs.py); with it, `pending(i)`
+    is added: the prompt tokens i has still to compute for the requests in flight there,
+    which its prefill serves before this one's. `costs_out`, where given, gets each
+    candidate's own best cost (to compare two routers' choices)."""
     if not candidates:
         raise ValueError("no instance to route to")
     best: tuple[float, int, int, int, int, int] | None = None
@@ -78,13 +87,16 @@ def choose(
     for order, name in enumerate(candidates):
         score = scores.get(name) or empty
         load = loads.get(name, 0)
-        on_load = load_weight * load if load_tokens is None else load_tokens(name, load)
+        if load_tokens is None:
+            on_load = load_weight * load
+        else:
+            on_load = load_tokens(name, load) + (pending or {}).get(name, 0)
         spread = -xxhash.xxh3_64_intdigest(name.encode(), seed=spread_key & (2**64 - 1))
         tie = (load, sizes.get(name, 0), spread, order)
         cost = (num_tokens - score.weighted_tokens) + on_load
         key = (round(cost, 9), 0, *tie)
         if best is None or key < best:
-            best, decision = key, Decision(name, cost, score)
+            best, decision = key, Decision(name, cost, score, None, num_tokens - score.num_tokens)
         if costs_out is not None:
             costs_out[name] = cost
         if pull_tokens is None:
@@ -102,7 +114,7 @@ def choose(
             )
             key = (round(cost, 9), 1, *tie)
             if key < best:
-                best, decision = key, Decision(name, cost, score, source)
+                best, decision = key, Decision(name, cost, score, source, num_tokens - held)
             if costs_out is not None and cost < costs_out[name]:
                 costs_out[name] = cost
     assert decision is not None

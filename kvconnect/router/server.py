@@ -38,7 +38,6 @@ import contextlib
 import gc
 import logging
 import signal
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
@@ -132,20 +131,27 @@ def _none_answered(reason: str) -> Response:
 
 def _counted(
     release: Callable[[], None] | None,
-    in_flight: Counter[str],
+    router: Router,
     name: str,
+    computed: int,
     ended: Callable[[], None] | None = None,
 ) -> Callable[[], None]:
-    """`release` (if any), then the instance's request no longer in flight (and `ended`)."""
+    """`release` (if any), then the instance's request, and the `computed` tokens it was
+    expected to compute there, no longer in flight (and `ended`)."""
 
     def done() -> None:
         if release is not None:
             release()
-        in_flight[name] -= 1
+        _landed(router, name, computed)
         if ended is not None:
             ended()
 
     return done
+
+
+def _landed(router: Router, name: str, computed: int) -> None:
+    router.in_flight[name] -= 1
+    router.pending[name] -= computed
 
 
 class RouterServer:
@@ -225,11 +231,12 @@ class RouterServer:
             picked = router.pick(token_ids, tried, req.cache_salt)
             if picked is None:
                 return _none_answered(failed) if failed else _none_in_rotation()
-            instance, score, source = picked
+            instance, score, source, _ = picked
             tried.add(instance.name)
             http.instance = instance.name
-            in_flight = router.in_flight
-            in_flight[instance.name] += 1
+            ahead = router.pending[instance.name]
+            router.in_flight[instance.name] += 1
+            router.pending[instance.name] += picked.computed
             computing = None
             if source is None and not router.prefill_names:
                 computing = router.prefilling(instance.name, token_ids, req.cache_salt, score)
@@ -267,9 +274,10 @@ class RouterServer:
                     authorization,
                     pulls_from,
                     req.stream and req.include_usage,
+                    ahead,
                 )
             except BaseException as e:
-                in_flight[instance.name] -= 1
+                _landed(router, instance.name, picked.computed)
                 if ended is not None:
                     ended()
                 if not isinstance(e, Unreachable):
@@ -279,7 +287,9 @@ class RouterServer:
                 failed = f"{instance.name}: {e}"
                 continue
             # In flight until the answer is sent, cut or abandoned (a stream's takes a while).
-            response.on_close = _counted(response.on_close, in_flight, instance.name, ended)
+            response.on_close = _counted(
+                response.on_close, router, instance.name, picked.computed, ended
+            )
             return response
 
     async def completions(self, http: Request) -> Response:

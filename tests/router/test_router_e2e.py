@@ -111,9 +111,13 @@ def test_repeated_prompt_follows_its_cache_and_cold_prompt_avoids_load(
     with open_stream(router, LONG + "three", max_tokens=400, ignore_eos=True) as busy:
         assert busy == where
         wait_for(lambda: metric(router, "kvconnect_router_in_flight", where) == 1)
+        # what it has to compute of that prompt (beyond the cached blocks) is counted there
+        assert metric(router, "kvconnect_router_pending_prefill_tokens", where) > 0
         _, cold_where = complete(router, "a completely different prompt " * 3, max_tokens=2)
     assert cold_where != where
     wait_for(lambda: metric(router, "kvconnect_router_in_flight", where) == 0)
+    for e in engines:  # every answer ended: nothing is left counted anywhere
+        assert metric(router, "kvconnect_router_pending_prefill_tokens", e.url) == 0
     engine = next(e for e in engines if e.url == where)
     wait_for(lambda: serve_metric(engine, "vllm:num_requests_running") == 0)
     _, text = get(router.url + "/metrics")

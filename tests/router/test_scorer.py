@@ -131,3 +131,18 @@ def test_a_measured_queue_cost_replaces_the_load_weight() -> None:
         load_tokens=lambda _name, n: 10.0 * n,
     )  # fmt: skip
     assert (cheap.instance, cheap.source, cheap.cost) == (A, None, 2 * BS + 20)
+
+
+def test_the_tokens_a_holder_has_still_to_compute_count_against_it() -> None:
+    """A holds 10 of 12 blocks with one request in flight, measured at 10 tokens a request:
+    alone it runs the next one (32 + 10 = 42 against B's pull, 32 + 40 = 72). With 64
+    prompt tokens still to compute for that request, A costs 106: B pulls. The decision says
+    what its instance computes: 2 blocks either way."""
+    args = ([A, B], {A: s(10)}, {A: 1}, PROMPT)
+    measured = {"sources": [A], "pull_tokens": flat(0.25), "load_tokens": lambda _n, k: 10.0 * k}
+    idle = choose(*args, **measured, pending={A: 0})  # type: ignore[arg-type]
+    assert (idle.instance, idle.source, idle.cost, idle.computed) == (A, None, 42, 2 * BS)
+    busy = choose(*args, **measured, pending={A: 64})  # type: ignore[arg-type]
+    assert (busy.instance, busy.source, busy.cost, busy.computed) == (B, A, 72, 2 * BS)
+    today = choose(*args, pending={A: 64})  # without pulls: today's load weight only
+    assert (today.instance, today.cost) == (A, 2 * BS + 64)
