@@ -234,7 +234,12 @@ class Connection(asyncio.Protocol):
         )
 
     def write(self, data: bytes) -> None:
+        """Send `data`; `Closed` if the instance has already closed the connection (one that
+        answers at once and closes, as a server over its connection cap does, can do so
+        before the request is written: uvloop then raises on the write, asyncio drops it)."""
         assert self.transport is not None, "written before it was connected"
+        if self.ended or self.transport.is_closing():
+            raise Closed("the connection ended before the request was written")
         self.transport.write(data)
 
     def abort(self) -> None:

@@ -78,7 +78,14 @@ class HealthChecker:
 
     async def run(self, pool: UpstreamPool) -> None:
         """Check every instance, forever (cancel to stop), over the relay's own lean
-        connections (a check's CPU is taken from the requests it meets)."""
+        connections (a check's CPU is taken from the requests it meets). A check that fails
+        in a way not foreseen takes its instance out of rotation (logged); the checks go on."""
         while True:
-            await asyncio.gather(*(self.check(pool, url) for url in self.states))
+            urls = list(self.states)
+            checks = (self.check(pool, url) for url in urls)
+            done = await asyncio.gather(*checks, return_exceptions=True)
+            for url, result in zip(urls, done, strict=True):
+                if isinstance(result, Exception):
+                    logger.error("router: checking %s failed", url, exc_info=result)
+                    self.mark(url, False, f"/health check failed: {type(result).__name__}")
             await asyncio.sleep(self.interval)

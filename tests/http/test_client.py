@@ -299,3 +299,46 @@ def test_a_large_answer_is_held_at_most_max_buffered_while_its_reader_lags() -> 
         await pool.close()
 
     run(main())
+
+
+@asynccontextmanager
+async def over_cap() -> AsyncIterator[int]:
+    """A server that answers every connection at once with a 503 and closes it, before any
+    request (as kvconnect's own listener does over its --max-connections)."""
+
+    async def handle(_reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\n\r\n")
+        writer.close()
+
+    srv = await asyncio.start_server(handle, "127.0.0.1", 0)
+    async with srv:
+        yield srv.sockets[0].getsockname()[1]
+
+
+def test_a_connection_closed_before_the_request_is_written_is_closed_not_a_crash() -> None:
+    """On uvloop (the router's loop) writing to a closed transport raised RuntimeError, which
+    escaped every caller: it ended the router's health checks for good, leaving an instance
+    out of rotation. The write is refused as a closed connection instead, and a fresh
+    connection closed so is Unreachable."""
+    import uvloop
+
+    from kvconnect.http.client_connection import Closed, Connection
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        async with over_cap() as port:
+            _, conn = await loop.create_connection(lambda: Connection(5.0), "127.0.0.1", port)
+            await conn.wait_closed()
+            with pytest.raises(Closed):
+                conn.write(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            pool = UpstreamPool()
+            for _ in range(20):  # the close may come before or after the write
+                try:
+                    resp = await pool.get(f"http://127.0.0.1:{port}", "/health")
+                except Unreachable:
+                    continue
+                assert resp.status == 503
+                resp.release()
+            await pool.close()
+
+    uvloop.run(main())
