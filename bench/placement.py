@@ -32,7 +32,8 @@ instances):
     Reported: TTFT, inter-token latency and end-to-end medians; and whether each P/D answer
     equals the decode instance's own answer to the same prompt.
 (e) the pull crossover the router learned (its /metrics), beside bench/peer_pull.py's.
-(g) replicas: a second pulls router follows the same instances and takes half of the pulls
+(g) replicas: a second pulls router follows the same instances (the two named to each other
+    with `--replica`: each counts the other's requests in flight) and takes half of the pulls
     way's warm-up; then 2 x (2 + JOIN_PREFIXES) requests go one at a time, in turn through
     the two, each starting with a prefix the scenarios left on the instances; before each,
     the other replica's choice for it is asked (/kv/score). Reported: how often it is the
@@ -161,17 +162,25 @@ def specs(instances: list[tuple[str, int, int]]) -> list[tuple[str, int]]:
 
 
 def start_router(
-    ps: routers.Processes, instances: list[tuple[str, int]], pulls: bool, model: str = "smollm2"
+    ps: routers.Processes,
+    instances: list[tuple[str, int]],
+    pulls: bool,
+    model: str = "smollm2",
+    port: int | None = None,
+    replica: int | None = None,
 ) -> str:
-    """`kvconnect router` over `instances` (`specs`), naming their peer tiers with `pulls`."""
-    port = routers.free_port()
+    """`kvconnect router` over `instances` (`specs`), naming their peer tiers with `pulls`
+    (on `port`, and with the replica on port `replica`, where given)."""
+    port = port or routers.free_port()
     args = [sys.executable, "-m", "kvconnect.cli", "router", "--model", model,
             "--port", str(port)]  # fmt: skip
     for spec, peer in instances:
         args += ["--instance", f"{spec},peer=127.0.0.1:{peer}" if pulls else spec]
     if not pulls:
         args.append("--no-pulls")
-    name = "router-pulls" if pulls else "router-today"
+    if replica is not None:
+        args += ["--replica", f"http://127.0.0.1:{replica}"]
+    name = f"router-{port}-{'pulls' if pulls else 'today'}"
     ps.start(args, name, f"http://127.0.0.1:{port}")
     return f"http://127.0.0.1:{port}"
 
@@ -511,9 +520,10 @@ def main() -> None:
         urls = [u for u, _, _ in instances]
         for u in urls:  # warm up each instance
             complete(u, tokens(rng, 32))
+        twins = [routers.free_port(), routers.free_port()]
         targets = {
             "today": [start_router(ps, specs(instances), pulls=False)],
-            "pulls": [start_router(ps, specs(instances), pulls=True)],
+            "pulls": [start_router(ps, specs(instances), True, port=twins[0], replica=twins[1])],
             "rr": urls,
         }
         if routers.VLLM_ROUTER.exists():
@@ -521,7 +531,8 @@ def main() -> None:
             targets[VR] = [
                 routers.start_vllm_router(ps, "kv_aware", backends, "vr", model="smollm2")[0]
             ]
-        replica = start_router(ps, specs(instances), pulls=True)  # (g): the pulls router's twin
+        # (g): the pulls router's twin; the two read each other's loads (--replica)
+        replica = start_router(ps, specs(instances), True, port=twins[1], replica=twins[0])
         for way, where in targets.items():
             # Traffic before the scenarios, the same for each way: a router that has served
             # a while has measured its instances (costs.py); it is not reported. The pulls
@@ -604,8 +615,9 @@ def main() -> None:
         f"before): the other replica would have chosen the same instance {agreed[0]} times, "
         f"one within 5% of its cost {agreed[1]} times: "
         f"{(agreed[0] + agreed[1]) / agreed[2]:.0%} agree (target >= 95%); {agreed_busy[2]} "
-        f"hot-prefix turns through both, {CONCURRENCY} at a time: same {agreed_busy[0]}, within "
-        f"5% {agreed_busy[1]}: {(agreed_busy[0] + agreed_busy[1]) / agreed_busy[2]:.0%} agree"
+        f"hot-prefix turns through both (each counting the other's load), {CONCURRENCY} at a "
+        f"time: same {agreed_busy[0]}, within 5% {agreed_busy[1]}: "
+        f"{(agreed_busy[0] + agreed_busy[1]) / agreed_busy[2]:.0%} agree"
         f"{on_vllm_part} | "
         f"{plot(runs, warmed)}"
     )

@@ -234,6 +234,14 @@ def _router_flags(commands: Commands, common: Parser) -> None:
         help="never send remote_kv_source: each instance computes what it lacks",
     )
     r.add_argument(
+        "--replica",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="another router replica in front of the same instances (http://HOST:PORT; "
+        "repeatable): its requests in flight count with this one's when choosing",
+    )
+    r.add_argument(
         "--load-weight",
         type=float,
         default=64.0,

@@ -18,6 +18,7 @@ from kvconnect.http.limits import ConnectionLimits
 from kvconnect.model.tokenizer import load_tokenizer
 from kvconnect.router.core import Instance, Router
 from kvconnect.router.index import DEFAULT_TIER_WEIGHTS, BlockIndex
+from kvconnect.router.replicas import ReplicaLoads, replica_url
 from kvconnect.router.server import RouterOptions, serve_router
 
 
@@ -71,9 +72,13 @@ def run_router_command(args: argparse.Namespace) -> int:
         tier_weights=weights,
     )
     curve = curve_from_env(os.environ)  # as `events tail`: both key files, or neither
+    replicas = [replica_url(url) for url in args.replica]
     router = Router(
         instances, index, tokenizer, args.load_weight, curve, prefill, pulls=not args.no_pulls
-    ).start()
+    )
+    if replicas:
+        router.replicas = ReplicaLoads(replicas, [i.name for i in router.instances])
+    router.start()
     gc.freeze()  # what start-up made lives as long as the process: no collection walks it again
     return run_event_loop(serve_router(router, args.host, args.port, options))
 

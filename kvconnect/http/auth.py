@@ -38,7 +38,7 @@ UNAUTHORIZED = ApiError(
 )
 """What every refused request is answered (a 401, with UNAUTHORIZED_HEADERS), by both servers."""
 UNAUTHORIZED_HEADERS = {"WWW-Authenticate": "Bearer"}
-ADMIN_PATHS = frozenset({"/metrics", "/kv/score"})
+ADMIN_PATHS = frozenset({"/metrics", "/kv/score", "/kv/load"})
 API_KEY_ENV = "KVCONNECT_API_KEY"
 VLLM_API_KEY_ENV = "VLLM_API_KEY"
 ADMIN_TOKEN_ENV = "KVCONNECT_ADMIN_TOKEN"

@@ -35,6 +35,7 @@ from kvconnect.model.tokenizer import ChatTemplateError, Tokenizer
 from kvconnect.router.costs import CostModel
 from kvconnect.router.health import HealthChecker
 from kvconnect.router.index import BlockIndex, PrefixScore
+from kvconnect.router.replicas import ReplicaLoads
 from kvconnect.router.scorer import DEFAULT_LOAD_WEIGHT, choose, spread_key
 from kvconnect.stream.curve import CurveClientKeys
 from kvconnect.stream.subscriber import KVEventSubscriber, ReceivedBatch, StreamSnapshot
@@ -237,6 +238,8 @@ class Router:
         self.lock = threading.Lock()
         self.in_flight: Counter[str] = Counter()
         self.pending: Counter[str] = Counter()
+        self.replicas: ReplicaLoads | None = None
+        """Other router replicas' loads, added to this one's own (replicas.py)."""
         """Per instance, the prompt tokens it is expected to compute for the requests in
         flight there (`Picked.computed`), until their answers end."""
         self.decisions: Counter[str] = Counter()
@@ -492,10 +495,11 @@ class Router:
         with self.lock:  # one state for both
             scores = self.index.score(token_ids, cache_salt)
             num_blocks = self.index.num_blocks()
+        in_flight, pending = self.loads(names)
         decision = choose(
             names,
             scores,
-            {n: self.in_flight[n] for n in names},
+            in_flight,
             len(token_ids),
             self.load_weight,
             spread_key(token_ids),
@@ -504,10 +508,22 @@ class Router:
             self.costs.pull_tokens if sources else None,
             partial(self.costs.load_tokens, default_weight=self.load_weight) if sources else None,
             costs_out,
-            {n: self.pending[n] for n in names},
+            pending,
         )
         source = self._by_name[decision.source] if decision.source else None
         return Picked(self._by_name[decision.instance], decision.score, source, decision.computed)
+
+    def loads(self, names: list[str]) -> tuple[dict[str, int], dict[str, int]]:
+        """Per instance of `names`: the requests in flight there and the prompt tokens they
+        have still to compute, this router's own plus its replicas'."""
+        in_flight = {n: self.in_flight[n] for n in names}
+        pending = {n: self.pending[n] for n in names}
+        if self.replicas is not None:
+            theirs, their_pending = self.replicas.totals()
+            for n in names:
+                in_flight[n] += theirs.get(n, 0)
+                pending[n] += their_pending.get(n, 0)
+        return in_flight, pending
 
     def mark_down(self, name: str, reason: str) -> None:
         self.health.mark(name, False, reason)

@@ -56,17 +56,16 @@ async def forward(
     authorization: str | None = None,
     source: str | None = None,
     streamed_usage: bool = False,
-    ahead: int = 0,
+    load: tuple[int, int] = (0, 0),
 ) -> Response:
     """Relay one request and its answer; a whole JSON answer's usage is checked against the
     index (`Router.check_cached`) and measures the instance's costs (and the pull's, from
     `source`, the instance named to pull from: `Router.learn`). So does a streamed one that
     ends with a usage chunk (`streamed_usage`: the request asked for it), its time to first
     token against one completion token. `authorization` goes to the instance as that
-    header; `ahead`: the prompt tokens the instance had to compute for others when it was
-    sent (`Router.pending`)."""
+    header; `load`: the requests in flight at the instance when it was sent, and the prompt
+    tokens they had still to compute (`Router.loads`)."""
     start = time.perf_counter()
-    queued = router.in_flight[instance.name] - 1  # the others in flight there
     try:
         upstream = await pool.post(instance.url, request.path, raw, authorization=authorization)
     except UpstreamTimeout as e:
@@ -94,14 +93,12 @@ async def forward(
                 if usage is not None:
                     json_answer = content_type.startswith("application/json")
                     checked = check if json_answer else None
-                    _measured(
-                        router, instance, score, source, elapsed, usage, (queued, ahead), checked
-                    )
+                    _measured(router, instance, score, source, elapsed, usage, load, checked)
             return Response(upstream.status, body, content_type, headers)
         streamed = True
         measure = None
         if streamed_usage and upstream.status == 200:
-            measure = _Measure(start, score, source, (queued, ahead), check)
+            measure = _Measure(start, score, source, load, check)
         stream = _relay_stream(upstream, instance, router, measure)
         return Response(upstream.status, b"", content_type, headers, stream, upstream.release)
     finally:

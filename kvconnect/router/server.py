@@ -11,12 +11,15 @@
     POST /kv/score               {"prompt": ...} or {"messages": [...]}: what each instance
                                  holds of it, and the choice routing it now would make
                                  (`choice`: instance, pull source, each instance's cost)
+    GET  /kv/load                this replica's own requests in flight per instance and their
+                                 prompt tokens to compute, for its replicas (replicas.py)
     GET  /health                 each instance's state (and whether its stream's state is in
                                  the index yet); 503 when none is in rotation
     GET  /metrics                Prometheus: decisions, hits per tier, index, streams, health
 
 Authentication (`http/auth.py`): with `api_key` every path but /health needs the client's
-`Authorization: Bearer`; /kv/score and /metrics need `admin_token` when one is set. Towards the
+`Authorization: Bearer`; /kv/score, /kv/load and /metrics need `admin_token` when one is set
+(replicas read each other's /kv/load with it, or with `api_key`). Towards the
 instances the client's Authorization is forwarded unchanged (as llm-d's gateway and
 sglang's router do: one key works end to end, and instances with their own `--api-key` check
 it again), unless `instance_api_key` is set: then the router presents that key instead (as
@@ -165,16 +168,23 @@ class RouterServer:
         self._instance_auth = f"Bearer {key}" if key is not None else None
         self.pool = UpstreamPool(read_timeout=options.upstream_timeout)
         self.pd_min_tail = options.pd_min_tail
+        token = options.admin_token or options.api_key
+        self._replica_auth = f"Bearer {token}" if token is not None else None
         self._health: asyncio.Task[None] | None = None
+        self._replicas: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         self._health = asyncio.create_task(self.router.health.run(self.pool))
+        if self.router.replicas is not None:
+            follow = self.router.replicas.follow(self.pool, self._replica_auth)
+            self._replicas = asyncio.create_task(follow)
 
     async def close(self) -> None:
-        if self._health is not None:
-            self._health.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._health
+        for task in (self._health, self._replicas):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         await self.pool.close()
         await asyncio.to_thread(self.router.close)
 
@@ -187,6 +197,7 @@ class RouterServer:
             "/detokenize": {"POST": self.to_any_instance},
             "/version": {"GET": self.version},
             "/kv/score": {"POST": self.kv_score},
+            "/kv/load": {"GET": self.kv_load},
             "/health": {"GET": self.health},
             "/metrics": {"GET": self.prometheus},
         }
@@ -234,7 +245,7 @@ class RouterServer:
             instance, score, source, _ = picked
             tried.add(instance.name)
             http.instance = instance.name
-            ahead = router.pending[instance.name]
+            others, ahead = router.loads([instance.name])  # before this one: what it meets
             router.in_flight[instance.name] += 1
             router.pending[instance.name] += picked.computed
             computing = None
@@ -274,7 +285,7 @@ class RouterServer:
                     authorization,
                     pulls_from,
                     req.stream and req.include_usage,
-                    ahead,
+                    (others[instance.name], ahead[instance.name]),
                 )
             except BaseException as e:
                 _landed(router, instance.name, picked.computed)
@@ -359,6 +370,13 @@ class RouterServer:
             choice = {"instance": picked.instance.name, "source": source, "costs": costs}
         answer = {"prompt_tokens": len(token_ids), "instances": instances, "choice": choice}
         return json_response(answer)
+
+    async def kv_load(self, _: Request) -> Response:
+        """This replica's own load per instance (replicas.py)."""
+        r = self.router
+        loads = {i.name: {"in_flight": r.in_flight[i.name], "pending": r.pending[i.name]}
+                 for i in r.instances}  # fmt: skip
+        return json_response({"instances": loads})
 
     async def health(self, _: Request) -> Response:
         states, synced = self.router.health.states, self.router.synced

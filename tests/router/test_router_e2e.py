@@ -261,3 +261,37 @@ def test_tokenize_detokenize_and_version_go_through(
     assert status == 400 and bad["error"]["param"] == "tokens"  # the instance's own answer
     status, version = get(router.url + "/version")
     assert status == 200 and isinstance(version["version"], str)
+
+
+def test_replicas_count_each_others_requests_in_flight(
+    cluster: tuple[list[Serve], RouterProcess], tmp_path: Path
+) -> None:
+    """Two replicas named to each other (`--replica`): a long request in flight through one
+    at instance X makes the other send a prompt elsewhere that it would have sent to X. A
+    third replica that is not told of them keeps choosing X: it counts only its own."""
+    engines, _ = cluster
+    first, second, alone = (RouterProcess(tmp_path, engines) for _ in range(3))
+    first.extra = ("--replica", second.url)
+    second.extra = ("--replica", first.url)
+    try:
+        for r in (first, second, alone):
+            r.start()
+        prompt = "a prompt no instance holds, for the replicas " + uuid.uuid4().hex
+
+        def choice(router: RouterProcess) -> str:
+            status, body, _ = post(router.url + "/kv/score", {"prompt": prompt})
+            assert status == 200, body
+            return str(body["choice"]["instance"])
+
+        x = choice(first)
+        assert choice(second) == choice(alone) == x  # idle: the same tie-break
+        with open_stream(first, prompt, max_tokens=400, ignore_eos=True) as busy:
+            assert busy == x
+            wait_for(lambda: choice(second) != x)  # it counts first's request at x
+            _, text = get(second.url + "/kv/load")  # its own: none
+            assert text == {"instances": {e.url: {"in_flight": 0, "pending": 0} for e in engines}}
+            assert choice(alone) == x
+        wait_for(lambda: choice(second) == x)  # the request ended: counted no more
+    finally:
+        for r in (first, second, alone):
+            r.stop()

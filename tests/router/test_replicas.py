@@ -1,0 +1,55 @@
+"""What a router takes from its replicas' /kv/load (replicas.py): their counts, summed while
+fresh; an answer of another shape, or naming an instance this router does not route to, is
+refused whole with a line that says why."""
+
+import json
+
+import pytest
+
+from kvconnect.router.replicas import REPLICA_STALE_S, ReplicaLoads, replica_url
+
+X, Y = "http://127.0.0.1:8001", "http://127.0.0.1:8002"
+R1, R2 = "http://127.0.0.1:9001", "http://127.0.0.1:9002"
+
+
+def answer(**loads: tuple[int, int]) -> bytes:
+    names = {"x": X, "y": Y, "z": "http://elsewhere:1"}
+    body = {names[k]: {"in_flight": n, "pending": p} for k, (n, p) in loads.items()}
+    return json.dumps({"instances": body}).encode()
+
+
+def test_fresh_answers_are_summed_and_stale_ones_drop_out() -> None:
+    loads = ReplicaLoads([R1, R2], [X, Y])
+    loads.update(R1, answer(x=(2, 300)), now=100.0)
+    loads.update(R2, answer(x=(1, 50), y=(1, 7)), now=100.5)
+    assert loads.totals(now=100.6) == ({X: 3, Y: 1}, {X: 350, Y: 7})
+    assert loads.totals(now=100.0 + REPLICA_STALE_S + 0.1) == ({X: 1, Y: 1}, {X: 50, Y: 7})
+    assert loads.totals(now=200.0) == ({}, {})
+
+
+@pytest.mark.parametrize(
+    ("body", "why"),
+    [
+        (b"[1, 2]", "not a /kv/load answer"),
+        (b'{"instances": {"' + X.encode() + b'": {"in_flight": 1}}}', "not a /kv/load answer"),
+        (answer(x=(-1, 0)), "out of range"),
+        (answer(x=(1, 2**41)), "out of range"),
+        (answer(z=(1, 1)), "is not one this router routes to"),
+        (b" " * (2 << 20), "bytes, at most"),
+    ],
+)
+def test_a_bad_answer_is_refused_whole_and_what_came_before_drops(body: bytes, why: str) -> None:
+    loads = ReplicaLoads([R1], [X, Y])
+    loads.update(R1, answer(x=(4, 400)), now=1.0)
+    with pytest.raises(ValueError, match=why):
+        loads.update(R1, body, now=1.1)
+    assert loads.totals(now=1.2) == ({}, {})
+
+
+@pytest.mark.parametrize(
+    "bad", ["10.0.0.2:9000", "https://a:1", "http://a", "http://a:1/x", "http://a:1?q", "ftp://a:1"]
+)
+def test_a_replica_is_http_host_port(bad: str) -> None:
+    assert replica_url("http://10.0.0.2:9000/") == "http://10.0.0.2:9000"
+    with pytest.raises(ValueError, match="--replica"):
+        replica_url(bad)
