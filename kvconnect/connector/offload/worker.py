@@ -561,6 +561,7 @@ class OffloadWorker:
         sink = _IntoCpuTier(self, local[0]) if local else None
         # each chunk is kept and scattered before two more are read into the buffers
         pulls = client.fetch_many(wanted, self.placement, sink or self._recv_buffers)
+        logged: TierError | None = None  # a source that stops answering: one line, not one a chunk
         try:
             for (key, info), got in zip(wanted, pulls, strict=True):
                 slot = sink.reserved.pop(key, None) if sink is not None else None
@@ -583,7 +584,9 @@ class OffloadWorker:
                         self._count("num_integrity_misses")
                         self._count("num_peer_integrity_misses")
                 elif isinstance(got, TierError):
-                    logger.warning("offload: peer %s:%d: %s", *source, got)
+                    if got is not logged:
+                        logger.warning("offload: peer %s:%d: %s", *source, got)
+                        logged = got
                     with self._lock:
                         self._count("num_peer_errors")
                 else:
