@@ -238,10 +238,10 @@ class Router:
         self.lock = threading.Lock()
         self.in_flight: Counter[str] = Counter()
         self.pending: Counter[str] = Counter()
-        self.replicas: ReplicaLoads | None = None
-        """Other router replicas' loads, added to this one's own (replicas.py)."""
         """Per instance, the prompt tokens it is expected to compute for the requests in
         flight there (`Picked.computed`), until their answers end."""
+        self.replicas: ReplicaLoads | None = None
+        """Other router replicas' loads, added to this one's own (replicas.py)."""
         self.decisions: Counter[str] = Counter()
         self.hit_blocks: Counter[str] = Counter()
         self.failures: Counter[str] = Counter()
@@ -524,6 +524,16 @@ class Router:
                 in_flight[n] += theirs.get(n, 0)
                 pending[n] += their_pending.get(n, 0)
         return in_flight, pending
+
+    def sent(self, name: str, computed: int) -> None:
+        """A request is in flight at `name`, which is expected to compute `computed` of its
+        prompt tokens (`landed` when its answer ends)."""
+        self.in_flight[name] += 1
+        self.pending[name] += computed
+
+    def landed(self, name: str, computed: int) -> None:
+        self.in_flight[name] -= 1
+        self.pending[name] -= computed
 
     def mark_down(self, name: str, reason: str) -> None:
         self.health.mark(name, False, reason)

@@ -118,7 +118,7 @@ class _Measure:
     start: float
     score: PrefixScore
     source: str | None
-    queued: tuple[int, int]
+    load: tuple[int, int]
     """The requests in flight there when it was sent, and their prompt tokens to compute."""
     check: StaleCheck | None
     first: float | None = None
@@ -152,14 +152,14 @@ def _measured(
     source: str | None,
     elapsed: float,
     usage: Usage,
-    queued: tuple[int, int],
+    load: tuple[int, int],
     check: StaleCheck | None,
 ) -> None:
-    """An answer's usage, checked against the index (`check`) and learned from (`queued`:
+    """An answer's usage, checked against the index (`check`) and learned from (`load`:
     the requests in flight there when it was sent, and their prompt tokens to compute)."""
     if check is not None and score.num_tokens > 0:
         router.check_cached(instance.name, score, check, usage)
-    router.learn(instance.name, score, source, elapsed, usage, *queued)
+    router.learn(instance.name, score, source, elapsed, usage, *load)
 
 
 def _learn_stream(router: Router, instance: Instance, m: _Measure) -> None:
@@ -167,7 +167,7 @@ def _learn_stream(router: Router, instance: Instance, m: _Measure) -> None:
     if usage is None or m.first is None:
         return
     first = Usage(usage.prompt_tokens, 1, usage.prompt_tokens_details)  # to its first token
-    _measured(router, instance, m.score, m.source, m.first - m.start, first, m.queued, m.check)
+    _measured(router, instance, m.score, m.source, m.first - m.start, first, m.load, m.check)
 
 
 async def _relay_stream(

@@ -131,7 +131,7 @@ async def _run_prefill(
     authorization: str | None,
 ) -> dict[str, Any] | None:
     name = prefill.name
-    router.in_flight[name] += 1
+    router.sent(name, 0)  # in flight; prefill picks weigh no pending tokens
     try:
         upstream = await pool.post(
             prefill.url, path, prefill_body(raw), authorization=authorization
@@ -156,7 +156,7 @@ async def _run_prefill(
         router.mark_down(name, f"prefill failed: {e}")
         return None
     finally:
-        router.in_flight[name] -= 1
+        router.landed(name, 0)
     try:
         params = _answer.decode(body).kv_transfer_params
     except (msgspec.DecodeError, msgspec.ValidationError) as e:

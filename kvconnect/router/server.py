@@ -145,16 +145,11 @@ def _counted(
     def done() -> None:
         if release is not None:
             release()
-        _landed(router, name, computed)
+        router.landed(name, computed)
         if ended is not None:
             ended()
 
     return done
-
-
-def _landed(router: Router, name: str, computed: int) -> None:
-    router.in_flight[name] -= 1
-    router.pending[name] -= computed
 
 
 class RouterServer:
@@ -246,8 +241,7 @@ class RouterServer:
             tried.add(instance.name)
             http.instance = instance.name
             others, ahead = router.loads([instance.name])  # before this one: what it meets
-            router.in_flight[instance.name] += 1
-            router.pending[instance.name] += picked.computed
+            router.sent(instance.name, picked.computed)
             computing = None
             if source is None and not router.prefill_names:
                 computing = router.prefilling(instance.name, token_ids, req.cache_salt, score)
@@ -288,7 +282,7 @@ class RouterServer:
                     (others[instance.name], ahead[instance.name]),
                 )
             except BaseException as e:
-                _landed(router, instance.name, picked.computed)
+                router.landed(instance.name, picked.computed)
                 if ended is not None:
                     ended()
                 if not isinstance(e, Unreachable):
