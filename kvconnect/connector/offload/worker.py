@@ -27,14 +27,13 @@ the next save of the chunk writes it again.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import threading
 import time
 from collections import Counter, deque
 from collections.abc import Iterator, Mapping
-from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any
 
@@ -130,16 +129,8 @@ class ResetJob:
     """Empty the local tiers (the engine's cache was reset)."""
 
 
-@dataclass(frozen=True)
-class ServeJob:
-    """A peer asks for a chunk of the local tiers: its serialised bytes go to `done`."""
-
-    key: str
-    done: Future[list[Any] | None]
-
-
-IoJob = ResetJob | LoadJob | ServeJob | StoreJob
-"""What the I/O thread runs, in this order of priority: resets, loads, peers' reads, stores."""
+IoJob = ResetJob | LoadJob | StoreJob
+"""What the I/O thread runs, in this order of priority: resets, loads, stores."""
 
 
 class OffloadWorker:
@@ -166,6 +157,11 @@ class OffloadWorker:
         self.device_ops = device_ops
         self._unfenced: list[Any] = []  # copies that read blocks, not yet waited for by compute
         self._lock = threading.Lock()  # guards the fields the I/O thread shares with the step
+        # Held for every call into a local tier but `contains`: by the I/O thread, and by a
+        # peer's read on its server's thread (never queued behind the I/O thread's jobs: two
+        # instances pulling from each other waited on each other until both timed out).
+        # Never taken while holding `_lock`.
+        self._tiers_lock = threading.RLock()
         self._events: list[KVCacheEvent] = []
         self._finished_loads: set[str] = set()
         self._finished_saves: set[str] = set()  # step thread only
@@ -174,7 +170,6 @@ class OffloadWorker:
         self._cond = threading.Condition(self._lock)
         self._loads: deque[LoadJob] = deque()
         self._stores: deque[StoreJob] = deque()
-        self._serves: deque[ServeJob] = deque()
         self._storing: Counter[str] = Counter()  # keys of the store jobs queued or running
         self.leases = Leases()
         self.peer_server: PeerServer | None = None
@@ -247,6 +242,8 @@ class OffloadWorker:
                 read=self._serve_read,
                 release=self._release_lease,
                 curve=self._peer_curve[0] if self._peer_curve else None,
+                settling=self._settling,
+                settle_s=peer.timeout_s / 2,
             )
 
     def _key(self, info: ChunkInfo) -> str:
@@ -370,9 +367,7 @@ class OffloadWorker:
         """Wait until the I/O thread is idle (tests and shutdown)."""
         with self._cond:
             return self._cond.wait_for(
-                lambda: (
-                    not (self._loads or self._serves or self._stores or self._busy or self._resets)
-                ),
+                lambda: not (self._loads or self._stores or self._busy or self._resets),
                 timeout,
             )
 
@@ -387,8 +382,9 @@ class OffloadWorker:
             self._thread.join(timeout=5.0)
         for client in self._peer_clients.values():  # the I/O thread's, now that it is done
             client.close()
-        for tier in self.tiers:
-            tier.close()
+        with self._tiers_lock:  # a peer's read still in flight finishes first
+            for tier in self.tiers:
+                tier.close()
 
     # -- I/O thread ---------------------------------------------------------------------------
 
@@ -411,28 +407,20 @@ class OffloadWorker:
     def _next_job(self) -> IoJob | None:
         """Wait for the next job and mark the thread busy with it; None once stopped."""
         with self._cond:
-            self._cond.wait_for(
-                lambda: self._stop or self._loads or self._serves or self._stores or self._resets
-            )
+            self._cond.wait_for(lambda: self._stop or self._loads or self._stores or self._resets)
             if self._stop:
                 return None
             self._busy = True
             if self._resets:  # resets carry nothing, so they are counted rather than queued
                 self._resets -= 1
                 return ResetJob()
-            for jobs in (self._loads, self._serves):
-                if jobs:
-                    return jobs.popleft()
-            return self._stores.popleft()
+            return self._loads.popleft() if self._loads else self._stores.popleft()
 
     def _run(self, job: IoJob) -> None:
         if isinstance(job, ResetJob):
             self._reset()
         elif isinstance(job, LoadJob):
             self._load(job)
-        elif isinstance(job, ServeJob):
-            if job.done.set_running_or_notify_cancel():  # not given up on by its server
-                job.done.set_result(self._serialised(job.key))
         else:
             try:
                 ops = self._ops()
@@ -465,10 +453,11 @@ class OffloadWorker:
         tier = self.tiers[index]
         # A shared tier is written through: asking it first cost a round trip (and, with the
         # server hung, a timeout) whose answer was not used.
-        if not tier.shared and tier.contains(key):
-            return
         try:
-            evicted = tier.put(key, info, data)
+            with self._guard(tier):
+                if not tier.shared and tier.contains(key):
+                    return
+                evicted = tier.put(key, info, data)
         except TierError as e:
             self._tier_failed(tier, e)
             return
@@ -649,58 +638,46 @@ class OffloadWorker:
 
     def _held_prefix(self, keys: list[str]) -> int:
         """For a peer (its server's thread): how many of `keys`, from the first, a local tier
-        holds (`contains` may be called from any thread). A chunk still on its way to the
-        tier (its store queued: the request that computed it may have answered already, as
-        a P/D prefill does at once) is waited for, up to half the peer timeout."""
+        holds (`contains` may be called from any thread). The server asks once none of them
+        is `_settling`, or half the peer timeout later."""
         local = [self.tiers[i] for i in self._local]
-        assert self.config.peer is not None
-        with self._cond:
-            self._cond.wait_for(
-                lambda: not any(k in self._storing for k in keys), self.config.peer.timeout_s / 2
-            )
         num = 0
         while num < len(keys) and any(t.contains(keys[num]) for t in local):
             num += 1
         return num
 
-    def _serve_read(self, key: str) -> list[Any] | None:
-        """For a peer (its server's thread): chunk `key` serialised, read by the I/O thread
-        (the tiers' one user); None if no local tier holds it or the I/O thread is too busy."""
-        done: Future[list[Any] | None] = Future()
-        with self._cond:
-            self._serves.append(ServeJob(key, done))
-            self._cond.notify_all()
-        assert self.config.peer is not None
-        try:
-            return done.result(self.config.peer.timeout_s)
-        except FutureTimeout:
-            done.cancel()
-            return None
+    def _settling(self, keys: list[str]) -> bool:
+        """For a peer (its server's thread): whether a chunk of `keys` is on its way to a
+        tier (its store queued: the request that computed it may have answered already, as a
+        P/D prefill does at once)."""
+        with self._lock:
+            return any(k in self._storing for k in keys)
 
-    def _serialised(self, key: str) -> list[Any] | None:
-        """The I/O thread's half of `_serve_read`: `pack`'s parts, the payload a view of the
-        tier's own memory (sent without a copy). Should a later store reuse a cpu slot while
-        its bytes are still being sent, the peer receives bytes that do not match the
-        checksum (or signature) taken here, and refuses the chunk: a recompute, never wrong
-        KV."""
-        for tier in self.tiers:
-            if tier.shared:
-                continue
-            try:
-                found = tier.load(key)
-            except TierError:
-                continue
-            if found is not None:
-                with self._lock:
-                    self._count("peer_chunks_served")
-                return list(pack(key, found.info, found.data, self._peer_mac))
+    def _serve_read(self, key: str) -> list[Any] | None:
+        """For a peer (its server's threads): chunk `key` serialised, `pack`'s parts, or None
+        if no local tier holds it. The payload is a view of the tier's own memory (sent
+        without a copy), its checksum taken under the tiers' lock, so no store writes the
+        slot meanwhile. Should a later store reuse a cpu slot while its bytes are still being
+        sent, the peer receives bytes that do not match that checksum (or signature) and
+        refuses the chunk: a recompute, never wrong KV."""
+        with self._tiers_lock:
+            for i in self._local:
+                try:
+                    found = self.tiers[i].load(key)
+                except TierError:
+                    continue
+                if found is not None:
+                    with self._lock:
+                        self._count("peer_chunks_served")
+                    return list(pack(key, found.info, found.data, self._peer_mac))
         return None
 
     def _checked(self, tier: Tier, key: str, info: ChunkInfo) -> StoredChunk | None:
         """`tier`'s entry for `key` if it is the chunk `info` describes; None otherwise (absent,
         unreadable, or another chunk: then dropped from a local tier and announced)."""
         try:
-            found = tier.load(key)
+            with self._guard(tier):
+                found = tier.load(key)
         except IntegrityError as e:
             self._integrity_miss(tier, key, info, str(e), dropped=True)
             return None
@@ -741,7 +718,8 @@ class OffloadWorker:
             if tier.shared:
                 self._written_shared.discard(key)
         if not tier.shared:
-            held = info if dropped else tier.remove(key)
+            with self._tiers_lock:
+                held = info if dropped else tier.remove(key)
             if held is not None:
                 self._emit(removed_event(held, tier.kind))
 
@@ -749,7 +727,14 @@ class OffloadWorker:
         """Empty the local tiers, announcing exactly what each dropped (a shared tier is not
         ours to empty), so a router keeps what the engine itself still holds."""
         for tier in self.tiers:
-            self._emit(*(removed_event(info, tier.kind) for _, info in tier.clear()))
+            with self._guard(tier):
+                dropped = tier.clear()
+            self._emit(*(removed_event(info, tier.kind) for _, info in dropped))
+
+    def _guard(self, tier: Tier) -> contextlib.AbstractContextManager[Any]:
+        """What a call into `tier` holds: the tiers' lock for a local one; nothing for a
+        shared one (only the I/O thread calls it, and a round trip must not hold up a peer)."""
+        return contextlib.nullcontext() if tier.shared else self._tiers_lock
 
 
 class _IntoCpuTier:
@@ -765,7 +750,10 @@ class _IntoCpuTier:
 
     def take(self, key: str, n: int) -> memoryview | None:
         tier = self.tier
-        got = tier.reserve(key) if tier is not None and n == tier.slot_bytes else None
+        got = None
+        if tier is not None and n == tier.slot_bytes:
+            with self.worker._tiers_lock:
+                got = tier.reserve(key)
         if got is None:
             buffers = self.worker._recv_buffers
             return buffers.take(key, n) if buffers is not None else None
@@ -776,14 +764,16 @@ class _IntoCpuTier:
 
     def unreserve(self, slot: int) -> None:
         assert self.tier is not None
-        self.tier.unreserve(slot)
+        with self.worker._tiers_lock:
+            self.tier.unreserve(slot)
 
     def commit(self, slot: int, key: str, info: ChunkInfo, data: torch.Tensor) -> None:
         """The checked chunk in `slot` is now the tier's: announced and counted as a put."""
         assert self.tier is not None
         worker = self.worker
         try:
-            self.tier.commit(slot, key, info)
+            with worker._tiers_lock:
+                self.tier.commit(slot, key, info)
         except TierError as e:
             worker._tier_failed(self.tier, e)
             return

@@ -1,12 +1,17 @@
 """The offload connector's two halves driven in-process in vLLM's step order, with real tiers
 and real KV tensors; two TP ranks share nothing but the metadata that crosses the boundary."""
 
+import contextlib
 import logging
 import random
+import socket
+import threading
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 import torch
 import zmq.auth
@@ -433,3 +438,95 @@ def test_a_source_rank_that_dies_before_the_pull_makes_its_blocks_recompute(
     finally:
         p.shutdown()
         d.shutdown()
+
+
+@contextlib.contextmanager
+def stalled_source(namespace: str) -> Iterator[tuple[int, threading.Event]]:
+    """A source that says it holds every chunk asked for, then sends none: its data port
+    takes a pull's requests and answers nothing until the test is done. Yields its port
+    and an event set once a pull's first request has arrived."""
+    router = zmq.Context.instance().socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    listener = socket.create_server(("127.0.0.1", 0))
+    hello = msgspec.msgpack.encode([1, 0, namespace, listener.getsockname()[1]])
+    asked, done = threading.Event(), threading.Event()
+
+    def control() -> None:
+        while not done.is_set():
+            if router.poll(20):
+                ident, rid, verb, arg = router.recv_multipart()
+                answer = (
+                    hello
+                    if verb == b"HELLO"
+                    else msgspec.msgpack.encode(len(msgspec.msgpack.decode(arg)))
+                )
+                router.send_multipart([ident, rid, b"OK", answer])
+
+    def data() -> None:
+        with contextlib.suppress(OSError):
+            conn, _ = listener.accept()
+            with conn:
+                conn.recv(4)
+                asked.set()
+                done.wait(30)
+
+    threads = [threading.Thread(target=f, daemon=True) for f in (control, data)]
+    for t in threads:
+        t.start()
+    try:
+        yield port, asked
+    finally:
+        done.set()
+        listener.close()
+        for t in threads:
+            t.join(5)
+        router.close()
+
+
+def test_a_holder_busy_pulling_from_a_stalled_source_still_serves_its_own_chunks() -> None:
+    """A's I/O thread waits on a source that sends nothing (for up to A's 30 s timeout);
+    meanwhile B pulls A's chunks, and gets them at once. A peer's read used to queue behind
+    the holder's own pulls: two busy instances pulling from each other waited on each other
+    until both timed out and recomputed (seen as 10 s stalls in bench/placement.py)."""
+    cpu = [{"kind": "cpu", "max_bytes": 1 << 20}]
+    a = Loop(cpu, world_size=1, peer={"port": free_port(1), "timeout_s": 30})
+    b = Loop(cpu, world_size=1, peer={"port": free_port(1), "timeout_s": 2})
+    held, other = list(range(40, 61)), list(range(100, 121))
+    try:
+        src = a.blocks(6)
+        a.step([("a", held, src)])
+        a.step()
+        a_io = a.workers[0].worker
+        assert a_io is not None
+        with stalled_source(a_io.namespace) as (port, asked):
+            stuck = Req("x", other, {"remote_kv_source": {"host": "127.0.0.1", "port": port}})
+            wait_for(lambda: a.sched.get_num_new_matched_tokens(stuck, 0) != (None, False))
+            assert a.sched.get_num_new_matched_tokens(stuck, 0) == (16, True)
+            stuck_blocks = a.blocks(6)
+            a.sched.update_state_after_alloc(stuck, stuck_blocks, 16)
+            pulling = threading.Thread(target=a.step)
+            pulling.start()
+            assert asked.wait(10)  # A's I/O thread is in that pull now, and stays there
+
+            source = {"host": "127.0.0.1", "port": a.sched.config.peer.port}  # type: ignore[union-attr]
+            req = Req("b", held, {"remote_kv_source": source})
+            wait_for(lambda: b.sched.get_num_new_matched_tokens(req, 0) != (None, False))
+            assert b.sched.get_num_new_matched_tokens(req, 0) == (16, True)
+            dst = b.blocks(6)
+            b.sched.update_state_after_alloc(req, dst, 16)
+            b.step()
+            assert b.finished_recving == {"b"} and b.invalid == set()
+            for name, layer in b.caches[0].items():
+                assert torch.equal(layer[:, dst[:4]], a.caches[0][name][:, src[:4]])
+            assert pulling.is_alive()  # B was served while A's pull still waited
+        pulling.join(30)  # the source closed: A's pull fails, and its blocks recompute
+        assert not pulling.is_alive() and a.invalid == set(stuck_blocks[:4])
+        for loop in (a, b):
+            io = loop.workers[0].worker
+            assert io is not None and io.drain()
+            for tier in io.tiers:
+                tier.check_integrity()
+    finally:
+        a.shutdown()
+        b.shutdown()

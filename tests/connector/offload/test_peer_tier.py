@@ -11,6 +11,7 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
@@ -58,19 +59,23 @@ CHUNKS = {key(i): (info(i), torch.randn(SHAPE)) for i in range(3)}
 
 @contextmanager
 def serving(
-    mac: bytes | None = None, world: int = 1, rank: int = 0
+    mac: bytes | None = None,
+    world: int = 1,
+    rank: int = 0,
+    chunks: dict[str, tuple[ChunkInfo, torch.Tensor]] = CHUNKS,
+    **settle: Any,
 ) -> Iterator[tuple[PeerServer, Callable[..., PeerClient]]]:
     def held(keys: list[str]) -> int:
         n = 0
-        while n < len(keys) and keys[n] in CHUNKS:
+        while n < len(keys) and keys[n] in chunks:
             n += 1
         return n
 
     def read(k: str) -> list[object] | None:
-        found = CHUNKS.get(k)
+        found = chunks.get(k)
         return None if found is None else list(pack(k, *found, mac))  # as a worker sends it
 
-    server = PeerServer("tcp://127.0.0.1:0", world, rank, NS, held, read)
+    server = PeerServer("tcp://127.0.0.1:0", world, rank, NS, held, read, **settle)
     clients: list[PeerClient] = []
 
     def client(**kw: object) -> PeerClient:
@@ -96,6 +101,39 @@ def test_a_chunk_is_pulled_bit_exact_and_a_miss_is_none() -> None:
         assert found is not None and found.info == info(1)
         assert torch.equal(found.data, CHUNKS[key(1)][1])
         assert c.fetch(key(7), info(7), PLACEMENT) is None
+
+
+def test_a_has_naming_a_chunk_being_stored_is_answered_once_stored_holding_up_nobody() -> None:
+    """A P/D prefill answers before its chunks are stored: a HAS naming one still on its way
+    waits for it (up to `settle_s`), while the server answers every other request."""
+    chunks = dict(CHUNKS)
+    asked = threading.Event()
+
+    def settling(keys: list[str]) -> bool:
+        if key(3) not in keys:
+            return False
+        asked.set()
+        return key(3) not in chunks
+
+    with serving(chunks=chunks, settling=settling, settle_s=30) as (_, client):
+        waiting, other = client(), client()
+        got: list[int] = []
+        wanted = [key(0), key(1), key(2), key(3)]
+        thread = threading.Thread(target=lambda: got.append(waiting.held_prefix(wanted)))
+        thread.start()
+        assert asked.wait(5)  # held back now
+        other.hello()
+        assert other.held_prefix([key(0), key(1)]) == 2
+        assert other.fetch(key(1), info(1), PLACEMENT) is not None
+        assert thread.is_alive() and got == []
+        chunks[key(3)] = (info(3), torch.randn(SHAPE))  # its store is done
+        thread.join(10)
+        assert got == [4]
+
+
+def test_a_has_held_back_past_settle_s_is_answered_with_what_is_held() -> None:
+    with serving(settling=lambda keys: True, settle_s=0.2) as (_, client):
+        assert client().held_prefix([key(0), key(1), key(2), key(3)]) == 3
 
 
 def test_another_tp_size_is_refused_naming_both() -> None:

@@ -12,7 +12,8 @@ Over ZMQ: a ROUTER per serving rank, a DEALER per (source, rank) pulling. Every 
     any malformed request         ERR what was wrong (the server serves on)
 
 The server never touches a tier: its owner answers through `held(keys)` (thread-safe:
-`contains`) and `read(key)` (run on the owner's I/O thread). What the client takes is
+`contains`) and `read(key)` (thread-safe: under the owner's tiers' lock, never queued behind
+its I/O thread's pulls). What the client takes is
 checked as a shared store's entry is before anyone uses it: `unpack` (the key it names, its
 checksums, its HMAC where a key is set), then `mismatch` against the chunk asked for (token
 ids, block hashes, parent, block size, shape, dtype). A reply over the chunk's size is refused
@@ -47,6 +48,7 @@ import os
 import socket
 import struct
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Generator, Iterator, Sequence
 from typing import Any, Protocol
@@ -77,6 +79,11 @@ REPLY_SLACK = 1 << 20
 WINDOW = 3
 """GETs a pull keeps outstanding (`fetch_many`)."""
 MAX_LEASE_ID_BYTES = 256
+MAX_DEFERRED = 1024
+"""HAS requests one server holds back at once (waiting for chunks still being stored); beyond
+that one is answered at once with what is held."""
+SETTLE_POLL_MS = 2
+"""How often held-back HAS requests are looked at again."""
 MAX_DATA_CONNECTIONS = 64
 """Data-port connections one rank's server holds at once; more are closed at once."""
 MAX_PARTS = 5
@@ -86,6 +93,10 @@ DATA_CHUNK, DATA_MISS, DATA_ERR = b"K", b"M", b"E"
 OK, MISS, ERR = b"OK", b"MISS", b"ERR"
 
 Held = Callable[[list[str]], int]
+Settling = Callable[[list[str]], bool]
+"""Whether any of these keys is still on its way into a tier (its store queued)."""
+_HeldBack = tuple[float, bytes, bytes, list[str]]
+"""A HAS answered later: (deadline, identity, request id, keys)."""
 Read = Callable[[str], list[Any] | None]
 """A chunk as `tiers.base.pack`'s parts (bytes or buffers, sent as frames without a copy)."""
 Release = Callable[[str], bool]
@@ -130,11 +141,18 @@ class PeerServer:
         read: Read,
         release: Release | None = None,
         curve: CurveServerKeys | None = None,
+        settling: Settling | None = None,
+        settle_s: float = 0.0,
     ) -> None:
         """`release(lease_id)`: end a lease (None: RELEASE always answers False). `curve`:
-        serve CurveZMQ only (`shared_curve`)."""
+        serve CurveZMQ only (`shared_curve`). A HAS naming a key that is `settling` is
+        answered once none is, or after `settle_s` (a P/D prefill answers before its stores
+        are done); meanwhile the server answers everything else."""
         self.held, self.read = held, read
         self.release = release or (lambda _: False)
+        self.settling = settling or (lambda _: False)
+        self.settle_s = settle_s
+        self._deferred: deque[_HeldBack] = deque()
         self._prefix = rank_prefix(namespace, world_size, rank)
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.ROUTER)
@@ -172,7 +190,7 @@ class PeerServer:
         poller.register(self._wake, zmq.POLLIN)
         try:
             while True:
-                ready = dict(poller.poll())
+                ready = dict(poller.poll(SETTLE_POLL_MS if self._deferred else None))
                 if self._wake in ready:
                     return
                 while True:
@@ -181,6 +199,8 @@ class PeerServer:
                     except zmq.Again:
                         break
                     self._answer(frames)
+                if self._deferred:
+                    self._answer_settled()
         finally:
             self._sock.close(0)
             self._wake.close(0)
@@ -195,7 +215,10 @@ class PeerServer:
         rid, verb, arg = rest
         payload: list[Any]
         try:
-            status, payload = self._handle(verb, arg)
+            answer = self._handle(identity, rid, verb, arg)
+            if answer is None:  # held back, answered by _answer_settled
+                return
+            status, payload = answer
         except _Refused as e:
             self.num_refused += 1
             status, payload = ERR, [str(e).encode()]
@@ -208,7 +231,9 @@ class PeerServer:
         with contextlib.suppress(zmq.ZMQError):  # the peer is gone or not reading
             self._sock.send_multipart([identity, rid, status, *payload], zmq.NOBLOCK, copy=False)
 
-    def _handle(self, verb: bytes, arg: bytes) -> tuple[bytes, list[Any]]:
+    def _handle(
+        self, identity: bytes, rid: bytes, verb: bytes, arg: bytes
+    ) -> tuple[bytes, list[Any]] | None:
         if verb == HELLO:
             return OK, [self._hello]
         if verb == HAS:
@@ -220,7 +245,10 @@ class PeerServer:
                 raise _Refused(f"HAS: {len(keys)} keys, at most {MAX_KEYS}")
             for key in keys:
                 self._check_key(key)
-            return OK, [_encode(min(len(keys), max(0, self.held(keys))))]
+            if len(self._deferred) < MAX_DEFERRED and self.settle_s > 0 and self.settling(keys):
+                self._deferred.append((time.monotonic() + self.settle_s, identity, rid, keys))
+                return None
+            return OK, [self._num_held(keys)]
         if verb == GET:
             try:
                 key = arg.decode("ascii")
@@ -234,6 +262,24 @@ class PeerServer:
                 raise _Refused(f"RELEASE: a lease id is 1-{MAX_LEASE_ID_BYTES} ASCII bytes")
             return OK, [_encode(bool(self.release(arg.decode("ascii"))))]
         raise _Refused(f"unknown verb {verb[:16]!r} (HELLO, HAS, GET, RELEASE)")
+
+    def _num_held(self, keys: list[str]) -> bytes:
+        return _encode(min(len(keys), max(0, self.held(keys))))
+
+    def _answer_settled(self) -> None:
+        """Answer the held-back HAS requests whose keys are all stored, or whose time is up."""
+        now, waiting = time.monotonic(), deque[_HeldBack]()
+        for deadline, identity, rid, keys in self._deferred:
+            try:
+                if now < deadline and self.settling(keys):
+                    waiting.append((deadline, identity, rid, keys))
+                    continue
+                status, payload = OK, self._num_held(keys)
+            except Exception:  # the owner's callback failed: a miss, never a dead server
+                logger.exception("peer: serving HAS failed")
+                status, payload = ERR, b"the server failed to read it"
+            self._send(identity, rid, status, payload)
+        self._deferred = waiting
 
     def _check_key(self, key: str) -> None:
         if len(key) > MAX_KEY_BYTES or not key.isascii() or not key.startswith(self._prefix):
