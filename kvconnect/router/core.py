@@ -23,6 +23,7 @@ import logging
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from typing import NamedTuple
@@ -242,6 +243,11 @@ class Router:
         flight there (`Picked.computed`), until their answers end."""
         self.replicas: ReplicaLoads | None = None
         """Other router replicas' loads, added to this one's own (replicas.py)."""
+        self.load_version = time.time_ns() // 1000
+        """Counts the changes of this router's own in-flight counts (`sent`, `landed`), from
+        the microseconds of its start: a restarted replica's versions are past its last."""
+        self.on_load_change: Callable[[], None] = lambda: None
+        """Called after each such change (the server wakes the replicas waiting on it)."""
         self.decisions: Counter[str] = Counter()
         self.hit_blocks: Counter[str] = Counter()
         self.failures: Counter[str] = Counter()
@@ -530,10 +536,14 @@ class Router:
         prompt tokens (`landed` when its answer ends)."""
         self.in_flight[name] += 1
         self.pending[name] += computed
+        self.load_version += 1
+        self.on_load_change()
 
     def landed(self, name: str, computed: int) -> None:
         self.in_flight[name] -= 1
         self.pending[name] -= computed
+        self.load_version += 1
+        self.on_load_change()
 
     def mark_down(self, name: str, reason: str) -> None:
         self.health.mark(name, False, reason)

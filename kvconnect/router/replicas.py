@@ -4,16 +4,20 @@ under traffic (as Dynamo's routers share their active sequences between replicas
 
     kvconnect router ... --replica http://10.0.0.2:9000 --replica http://10.0.0.3:9000
 
-    GET /kv/load    {"instances": {"<url>": {"in_flight": 3, "pending": 1536}, ...}}
-                    this replica's own count per instance: requests in flight there and the
-                    prompt tokens they have still to compute (`Router.pending`)
+    GET /kv/load?after=V
+        {"instances": {"<url>": {"in_flight": 3, "pending": 1536}, ...}, "version": 8}
+        this replica's own count per instance: requests in flight there and the prompt
+        tokens they have still to compute (`Router.pending`); `version` counts its changes.
+        With `after`, the answer waits until the version is past V, or LOAD_HOLD_S.
 
-Every REPLICA_POLL_S each replica's /kv/load is read (with the admin token, or the API key,
-this router is given: replicas of one deployment share them) and added to this router's own
-count when it chooses (`Router.loads`). An answer older than REPLICA_STALE_S no longer
-counts: a replica that stops answering stops adding load. An answer that is not this shape,
-or that names an instance this router does not route to, is refused whole (logged once per
-replica until it answers well again).
+Each replica's /kv/load is read in a loop, each read naming the version the last one
+answered (a long poll: a change at one replica reaches the others within a round trip, where
+a poll every 0.1 s left them deciding six requests of a burst on old counts), with the admin
+token, or the API key, this router is given (replicas of one deployment share them); it is
+added to this router's own count when it chooses (`Router.loads`). An answer older than
+REPLICA_STALE_S no longer counts: a replica that stops answering stops adding load. An
+answer that is not this shape, or that names an instance this router does not route to, is
+refused whole (logged once per replica until it answers well again).
 """
 
 from __future__ import annotations
@@ -31,8 +35,13 @@ from kvconnect.http.client import Unreachable, UpstreamBroken, UpstreamPool
 
 logger = logging.getLogger(__name__)
 
-REPLICA_POLL_S = 0.1
-REPLICA_STALE_S = 1.0
+LOAD_HOLD_S = 0.5
+"""How long a /kv/load?after=V waits for a change before answering as it is."""
+REPLICA_STALE_S = LOAD_HOLD_S + 1.0
+REPLICA_MIN_INTERVAL_S = 0.002
+"""Between two reads of one replica, at least (a replica that changes all the time, or
+answers `after` at once, is not read in a busy loop)."""
+MAX_VERSION = 1 << 62
 MAX_COUNT = 1 << 40
 MAX_ANSWER_BYTES = 1 << 20
 
@@ -44,6 +53,7 @@ class _Load(msgspec.Struct, forbid_unknown_fields=True):
 
 class _Loads(msgspec.Struct):
     instances: dict[str, _Load]
+    version: int = 0
 
 
 _decode = msgspec.json.Decoder(_Loads).decode
@@ -63,11 +73,26 @@ def replica_url(value: str) -> str:
     return f"http://{parts.netloc}"
 
 
+def load_after(query: str) -> int | None:
+    """/kv/load's query, checked: `after=V` (a version, 0 <= V < 2**62) or nothing;
+    `ValueError` naming what is wrong."""
+    if not query:
+        return None
+    name, eq, value = query.partition("=")
+    if name != "after" or not eq or not value.isascii() or not value.isdigit():
+        raise ValueError(f"/kv/load takes ?after=VERSION (an integer), not {query[:100]!r}")
+    after = int(value)  # isdigit and ascii: at most a few hundred digits (the head's bound)
+    if after >= MAX_VERSION:
+        raise ValueError(f"after={value[:30]}: a version is below 2**62")
+    return after
+
+
 @dataclass
 class _Seen:
     at: float
     in_flight: dict[str, int]
     pending: dict[str, int]
+    version: int = 0
 
 
 class ReplicaLoads:
@@ -89,6 +114,8 @@ class ReplicaLoads:
             loads = _decode(body)
         except msgspec.DecodeError as e:
             raise ValueError(f"not a /kv/load answer: {e}") from None
+        if not 0 <= loads.version < MAX_VERSION:
+            raise ValueError("version out of range")
         for name, load in loads.instances.items():
             if name not in self._names:
                 raise ValueError(f"instance {name[:200]!r} is not one this router routes to")
@@ -99,6 +126,7 @@ class ReplicaLoads:
             at,
             {n: x.in_flight for n, x in loads.instances.items()},
             {n: x.pending for n, x in loads.instances.items()},
+            loads.version,
         )
 
     def forget(self, replica: str) -> None:
@@ -120,15 +148,24 @@ class ReplicaLoads:
         return in_flight, pending
 
     async def follow(self, pool: UpstreamPool, authorization: str | None) -> None:
-        """Read every replica's /kv/load, forever (cancel to stop)."""
-        while True:
-            await asyncio.gather(*(self._read(pool, r, authorization) for r in self.replicas))
-            await asyncio.sleep(REPLICA_POLL_S)
+        """Follow every replica's /kv/load, forever (cancel to stop)."""
+        await asyncio.gather(*(self._follow(pool, r, authorization) for r in self.replicas))
 
-    async def _read(self, pool: UpstreamPool, replica: str, authorization: str | None) -> None:
+    async def _follow(self, pool: UpstreamPool, replica: str, authorization: str | None) -> None:
+        while True:
+            started = time.monotonic()
+            if not await self._read(pool, replica, authorization):
+                await asyncio.sleep(LOAD_HOLD_S)  # down or refused: tried again, not hammered
+            wait = REPLICA_MIN_INTERVAL_S - (time.monotonic() - started)
+            await asyncio.sleep(max(0.0, wait))
+
+    async def _read(self, pool: UpstreamPool, replica: str, authorization: str | None) -> bool:
+        """One read of `replica`'s load, after the version last seen; whether it counts."""
+        seen = self._seen.get(replica)
+        path = "/kv/load" if seen is None else f"/kv/load?after={seen.version}"
         try:
             async with asyncio.timeout(REPLICA_STALE_S):
-                resp = await pool.get(replica, "/kv/load", authorization)
+                resp = await pool.get(replica, path, authorization)
                 try:
                     body = await resp.read()
                 finally:
@@ -141,7 +178,8 @@ class ReplicaLoads:
             if replica not in self._refused:
                 self._refused.add(replica)
                 logger.warning("router: replica %s: its load is not counted: %s", replica, e)
-            return
+            return False
         if replica in self._refused:
             self._refused.discard(replica)
             logger.info("router: replica %s: its load is counted again", replica)
+        return True

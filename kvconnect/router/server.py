@@ -75,6 +75,7 @@ from kvconnect.router.core import Router, stale_check
 from kvconnect.router.forward import forward
 from kvconnect.router.metrics import RouterMetrics
 from kvconnect.router.pd import prefilled, with_source
+from kvconnect.router.replicas import LOAD_HOLD_S, load_after
 
 logger = logging.getLogger(__name__)
 
@@ -167,6 +168,8 @@ class RouterServer:
         self._replica_auth = f"Bearer {token}" if token is not None else None
         self._health: asyncio.Task[None] | None = None
         self._replicas: asyncio.Task[None] | None = None
+        self._load_changed = asyncio.Event()
+        router.on_load_change = self._wake_load_waiters
 
     async def start(self) -> None:
         self._health = asyncio.create_task(self.router.health.run(self.pool))
@@ -365,12 +368,25 @@ class RouterServer:
         answer = {"prompt_tokens": len(token_ids), "instances": instances, "choice": choice}
         return json_response(answer)
 
-    async def kv_load(self, _: Request) -> Response:
-        """This replica's own load per instance (replicas.py)."""
+    async def kv_load(self, http: Request) -> Response:
+        """This replica's own load per instance and its version; with `?after=V`, answered
+        once the version is past V, or after LOAD_HOLD_S (replicas.py)."""
         r = self.router
+        try:
+            after = load_after(http.query)
+        except ValueError as e:
+            return error_response(ApiError(str(e), param="after"))
+        if after is not None and r.load_version <= after:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._load_changed.wait(), LOAD_HOLD_S)
         loads = {i.name: {"in_flight": r.in_flight[i.name], "pending": r.pending[i.name]}
                  for i in r.instances}  # fmt: skip
-        return json_response({"instances": loads})
+        return json_response({"instances": loads, "version": r.load_version})
+
+    def _wake_load_waiters(self) -> None:
+        """The router's own load changed: every held /kv/load answers now."""
+        self._load_changed.set()
+        self._load_changed = asyncio.Event()
 
     async def health(self, _: Request) -> Response:
         states, synced = self.router.health.states, self.router.synced

@@ -2,11 +2,18 @@
 fresh; an answer of another shape, or naming an instance this router does not route to, is
 refused whole with a line that says why."""
 
+import asyncio
 import json
 
+import msgspec
 import pytest
 
-from kvconnect.router.replicas import REPLICA_STALE_S, ReplicaLoads, replica_url
+from kvconnect.http.h1_server import Request
+from kvconnect.model.tokenizer import load_tokenizer
+from kvconnect.router.core import Instance, Router
+from kvconnect.router.index import BlockIndex
+from kvconnect.router.replicas import REPLICA_STALE_S, ReplicaLoads, load_after, replica_url
+from kvconnect.router.server import RouterOptions, RouterServer
 
 X, Y = "http://127.0.0.1:8001", "http://127.0.0.1:8002"
 R1, R2 = "http://127.0.0.1:9001", "http://127.0.0.1:9002"
@@ -53,3 +60,43 @@ def test_a_replica_is_http_host_port(bad: str) -> None:
     assert replica_url("http://10.0.0.2:9000/") == "http://10.0.0.2:9000"
     with pytest.raises(ValueError, match="--replica"):
         replica_url(bad)
+
+
+def kv_load(query: str) -> Request:
+    return Request("GET", "/kv/load", query, {})
+
+
+def test_kv_load_after_a_version_is_answered_at_the_next_change() -> None:
+    """A replica's read names the version it has: the answer waits for the next change
+    (a long poll), so the other replicas learn of a request as it is sent."""
+
+    async def run() -> None:
+        router = Router([Instance(X, "tcp://127.0.0.1:9")], BlockIndex(4), load_tokenizer("tiny"))
+        handlers = RouterServer(router, RouterOptions())
+        try:
+            now = msgspec.json.decode((await handlers.kv_load(kv_load(""))).body)
+            assert now["instances"] == {X: {"in_flight": 0, "pending": 0}}
+            held = asyncio.create_task(handlers.kv_load(kv_load(f"after={now['version']}")))
+            await asyncio.sleep(0)  # the handler runs until it waits
+            assert not held.done()
+            router.sent(X, 100)
+            got = msgspec.json.decode((await held).body)
+            assert got["version"] > now["version"]
+            assert got["instances"] == {X: {"in_flight": 1, "pending": 100}}
+            past = await handlers.kv_load(kv_load(f"after={now['version']}"))  # at once
+            assert msgspec.json.decode(past.body) == got
+            bad = await handlers.kv_load(kv_load("after=soon"))
+            assert bad.status == 400 and b"after" in bad.body
+        finally:
+            await handlers.close()
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize(
+    "query", ["after=", "after=-1", "after=1e3", "since=3", "after=" + "9" * 30]
+)
+def test_kv_load_takes_only_after_a_version(query: str) -> None:
+    assert load_after("") is None and load_after("after=42") == 42
+    with pytest.raises(ValueError, match="after"):
+        load_after(query)
