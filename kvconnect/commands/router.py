@@ -77,7 +77,8 @@ def run_router_command(args: argparse.Namespace) -> int:
         instances, index, tokenizer, args.load_weight, curve, prefill, pulls=not args.no_pulls
     )
     if replicas:
-        router.replicas = ReplicaLoads(replicas, [i.name for i in router.instances])
+        names = [i.name for i in router.instances]
+        router.replicas = ReplicaLoads(replicas, names, router.take_measured)
     router.start()
     gc.freeze()  # what start-up made lives as long as the process: no collection walks it again
     return run_event_loop(serve_router(router, args.host, args.port, options))

@@ -22,7 +22,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -36,7 +36,7 @@ from kvconnect.model.tokenizer import ChatTemplateError, Tokenizer
 from kvconnect.router.costs import CostModel
 from kvconnect.router.health import HealthChecker
 from kvconnect.router.index import BlockIndex, PrefixScore
-from kvconnect.router.replicas import ReplicaLoads
+from kvconnect.router.replicas import MEASURED_KEPT, Measured, ReplicaLoads
 from kvconnect.router.scorer import DEFAULT_LOAD_WEIGHT, choose, spread_key
 from kvconnect.stream.curve import CurveClientKeys
 from kvconnect.stream.subscriber import KVEventSubscriber, ReceivedBatch, StreamSnapshot
@@ -248,6 +248,8 @@ class Router:
         the microseconds of its start: a restarted replica's versions are past its last."""
         self.on_load_change: Callable[[], None] = lambda: None
         """Called after each such change (the server wakes the replicas waiting on it)."""
+        self.measured: deque[Measured] = deque(maxlen=MEASURED_KEPT)
+        """The last answers this router measured, for its replicas' cost models."""
         self.decisions: Counter[str] = Counter()
         self.hit_blocks: Counter[str] = Counter()
         self.failures: Counter[str] = Counter()
@@ -576,8 +578,25 @@ class Router:
         cached = usage.prompt_tokens_details.cached_tokens or 0
         computed = max(0, usage.prompt_tokens - cached)
         pulled = max(0, cached - score.num_tokens) if source else 0
+        m = Measured(
+            self.load_version + 1,
+            name,
+            elapsed_s,
+            computed + ahead,
+            usage.completion_tokens,
+            source,
+            pulled,
+            queued,
+        )
+        self.take_measured(m)
+        self.measured.append(m)
+        self.load_version = m.version
+        self.on_load_change()
+
+    def take_measured(self, m: Measured) -> None:
+        """An answer measured here or at a replica (replicas.py): into the cost model."""
         self.costs.observe(
-            name, elapsed_s, computed + ahead, usage.completion_tokens, source, pulled, queued
+            m.instance, m.elapsed_s, m.computed, m.completion, m.source, m.pulled, m.queued
         )
 
     def prompt_tokens(self, req: CompletionRequest | ChatCompletionRequest) -> list[int]:

@@ -381,7 +381,8 @@ class RouterServer:
                 await asyncio.wait_for(self._load_changed.wait(), LOAD_HOLD_S)
         loads = {i.name: {"in_flight": r.in_flight[i.name], "pending": r.pending[i.name]}
                  for i in r.instances}  # fmt: skip
-        return json_response({"instances": loads, "version": r.load_version})
+        measured = [m for m in r.measured if after is None or m.version > after]
+        return json_response({"instances": loads, "version": r.load_version, "measured": measured})
 
     def _wake_load_waiters(self) -> None:
         """The router's own load changed: every held /kv/load answers now."""

@@ -10,19 +10,28 @@ import pytest
 
 from kvconnect.http.h1_server import Request
 from kvconnect.model.tokenizer import load_tokenizer
-from kvconnect.router.core import Instance, Router
-from kvconnect.router.index import BlockIndex
-from kvconnect.router.replicas import REPLICA_STALE_S, ReplicaLoads, load_after, replica_url
+from kvconnect.router.core import Instance, Router, Usage, _Details
+from kvconnect.router.index import BlockIndex, PrefixScore
+from kvconnect.router.replicas import (
+    REPLICA_STALE_S,
+    Measured,
+    ReplicaLoads,
+    load_after,
+    replica_url,
+)
 from kvconnect.router.server import RouterOptions, RouterServer
 
 X, Y = "http://127.0.0.1:8001", "http://127.0.0.1:8002"
 R1, R2 = "http://127.0.0.1:9001", "http://127.0.0.1:9002"
 
 
-def answer(**loads: tuple[int, int]) -> bytes:
+def answer(measured: list[list[object]] | None = None, **loads: tuple[int, int]) -> bytes:
     names = {"x": X, "y": Y, "z": "http://elsewhere:1"}
     body = {names[k]: {"in_flight": n, "pending": p} for k, (n, p) in loads.items()}
-    return json.dumps({"instances": body}).encode()
+    return json.dumps({"instances": body, "version": 9, "measured": measured or []}).encode()
+
+
+GOOD = [7, X, 0.5, 300, 1, None, 0, 2]
 
 
 def test_fresh_answers_are_summed_and_stale_ones_drop_out() -> None:
@@ -43,14 +52,32 @@ def test_fresh_answers_are_summed_and_stale_ones_drop_out() -> None:
         (answer(x=(1, 2**41)), "out of range"),
         (answer(z=(1, 1)), "is not one this router routes to"),
         (b" " * (2 << 20), "bytes, at most"),
+        (answer([[7, "http://elsewhere:1", 0.5, 300, 1, None, 0, 2]]), "does not route to"),
+        (answer([[7, X, 0.5, 300, 1, "http://elsewhere:1", 10, 2]]), "does not route to"),
+        (answer([[7, X, -0.5, 300, 1, None, 0, 2]]), "elapsed_s"),
+        (answer([[7, X, 0.5, -3, 1, None, 0, 2]]), "out of range"),
+        (answer([[7, X, 0.5, 300, 1, None]]), "not a /kv/load answer"),
+        (answer([GOOD] * 257), "measurements, at most"),
     ],
 )
 def test_a_bad_answer_is_refused_whole_and_what_came_before_drops(body: bytes, why: str) -> None:
-    loads = ReplicaLoads([R1], [X, Y])
+    taken: list[Measured] = []
+    loads = ReplicaLoads([R1], [X, Y], taken.append)
     loads.update(R1, answer(x=(4, 400)), now=1.0)
     with pytest.raises(ValueError, match=why):
         loads.update(R1, body, now=1.1)
-    assert loads.totals(now=1.2) == ({}, {})
+    assert loads.totals(now=1.2) == ({}, {}) and taken == []
+
+
+def test_a_replicas_measurements_are_handed_on_once_each() -> None:
+    taken: list[Measured] = []
+    loads = ReplicaLoads([R1], [X, Y], taken.append)
+    pulled = [8, Y, 0.25, 40, 1, X, 2000, 0]
+    loads.update(R1, answer([GOOD, pulled], x=(1, 10)), now=1.0)
+    assert taken == [
+        Measured(7, X, 0.5, 300, 1, None, 0, 2),
+        Measured(8, Y, 0.25, 40, 1, X, 2000, 0),
+    ]
 
 
 @pytest.mark.parametrize(
@@ -85,6 +112,12 @@ def test_kv_load_after_a_version_is_answered_at_the_next_change() -> None:
             assert got["instances"] == {X: {"in_flight": 1, "pending": 100}}
             past = await handlers.kv_load(kv_load(f"after={now['version']}"))  # at once
             assert msgspec.json.decode(past.body) == got
+            assert got["measured"] == []  # no answer measured yet
+            # an answer it measures goes to the replicas too, under the next version
+            router.learn(X, PrefixScore(), None, 0.5, Usage(300, 1, _Details(64)), queued=2)
+            after = got["version"]
+            got = msgspec.json.decode((await handlers.kv_load(kv_load(f"after={after}"))).body)
+            assert got["measured"] == [[after + 1, X, 0.5, 236, 1, None, 0, 2]]
             bad = await handlers.kv_load(kv_load("after=soon"))
             assert bad.status == 400 and b"after" in bad.body
         finally:
