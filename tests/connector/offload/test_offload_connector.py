@@ -109,6 +109,15 @@ class Loop:
         self.sched.update_connector_output(agg)
         self.events += self.sched.take_events()
 
+    def remote_hit(self, req: "Req") -> list[int]:
+        """Once its source has answered the lookup: `req`'s 16 tokens (2 chunks) to load
+        asynchronously, into 6 new blocks (returned)."""
+        wait_for(lambda: self.sched.get_num_new_matched_tokens(req, 0) != (None, False))
+        assert self.sched.get_num_new_matched_tokens(req, 0) == (16, True)
+        dst = self.blocks(6)
+        self.sched.update_state_after_alloc(req, dst, 16)
+        return dst
+
     def shutdown(self) -> None:
         for w in self.workers:
             w.shutdown()
@@ -378,11 +387,7 @@ def test_pd_handshake_between_two_tp2_connectors(tmp_path: Path) -> None:
         for caches in d.caches:  # D's blocks hold other KV than P's
             for layer in caches.values():
                 layer.zero_()
-        req = Req("b", tokens, params)
-        wait_for(lambda: d.sched.get_num_new_matched_tokens(req, 0) != (None, False))
-        assert d.sched.get_num_new_matched_tokens(req, 0) == (16, True)
-        dst = d.blocks(6)
-        d.sched.update_state_after_alloc(req, dst, 16)
+        dst = d.remote_hit(Req("b", tokens, params))
         d.step()
         assert d.finished_recving == {"b"} and d.invalid == set()
         for p_caches, d_caches in zip(p.caches, d.caches, strict=True):
@@ -418,14 +423,10 @@ def test_a_source_rank_that_dies_before_the_pull_makes_its_blocks_recompute(
         p.step([("a", tokens, p.blocks(6))])
         p.step()
         source = {"host": "127.0.0.1", "port": p.sched.config.peer.port}  # type: ignore[union-attr]
-        req = Req("b", tokens, {"remote_kv_source": source})
-        wait_for(lambda: d.sched.get_num_new_matched_tokens(req, 0) != (None, False))
-        assert d.sched.get_num_new_matched_tokens(req, 0) == (16, True)
+        dst = d.remote_hit(Req("b", tokens, {"remote_kv_source": source}))
         dying = p.workers[1].worker
         assert dying is not None and dying.peer_server is not None
         dying.peer_server.close()
-        dst = d.blocks(6)
-        d.sched.update_state_after_alloc(req, dst, 16)
         with caplog.at_level(logging.WARNING, "kvconnect.connector.offload.worker"):
             d.step()
         assert d.finished_recving == {"b"} and d.invalid == set(dst[:4])
@@ -501,20 +502,13 @@ def test_a_holder_busy_pulling_from_a_stalled_source_still_serves_its_own_chunks
         assert a_io is not None
         with stalled_source(a_io.namespace) as (port, asked):
             stuck = Req("x", other, {"remote_kv_source": {"host": "127.0.0.1", "port": port}})
-            wait_for(lambda: a.sched.get_num_new_matched_tokens(stuck, 0) != (None, False))
-            assert a.sched.get_num_new_matched_tokens(stuck, 0) == (16, True)
-            stuck_blocks = a.blocks(6)
-            a.sched.update_state_after_alloc(stuck, stuck_blocks, 16)
+            stuck_blocks = a.remote_hit(stuck)
             pulling = threading.Thread(target=a.step)
             pulling.start()
             assert asked.wait(10)  # A's I/O thread is in that pull now, and stays there
 
             source = {"host": "127.0.0.1", "port": a.sched.config.peer.port}  # type: ignore[union-attr]
-            req = Req("b", held, {"remote_kv_source": source})
-            wait_for(lambda: b.sched.get_num_new_matched_tokens(req, 0) != (None, False))
-            assert b.sched.get_num_new_matched_tokens(req, 0) == (16, True)
-            dst = b.blocks(6)
-            b.sched.update_state_after_alloc(req, dst, 16)
+            dst = b.remote_hit(Req("b", held, {"remote_kv_source": source}))
             b.step()
             assert b.finished_recving == {"b"} and b.invalid == set()
             for name, layer in b.caches[0].items():
