@@ -538,12 +538,14 @@ class Router:
         prompt tokens (`landed` when its answer ends)."""
         self.in_flight[name] += 1
         self.pending[name] += computed
-        self.load_version += 1
-        self.on_load_change()
+        self._load_changed()
 
     def landed(self, name: str, computed: int) -> None:
         self.in_flight[name] -= 1
         self.pending[name] -= computed
+        self._load_changed()
+
+    def _load_changed(self) -> None:
         self.load_version += 1
         self.on_load_change()
 
@@ -589,9 +591,8 @@ class Router:
             queued,
         )
         self.take_measured(m)
-        self.measured.append(m)
-        self.load_version = m.version
-        self.on_load_change()
+        self.measured.append(m)  # for the replicas: under the version _load_changed makes
+        self._load_changed()
 
     def take_measured(self, m: Measured) -> None:
         """An answer measured here or at a replica (replicas.py): into the cost model."""

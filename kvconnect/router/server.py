@@ -169,6 +169,7 @@ class RouterServer:
         self._health: asyncio.Task[None] | None = None
         self._replicas: asyncio.Task[None] | None = None
         self._load_changed = asyncio.Event()
+        self._load_waiting = 0  # held /kv/load reads
         router.on_load_change = self._wake_load_waiters
 
     async def start(self) -> None:
@@ -377,17 +378,23 @@ class RouterServer:
         except ValueError as e:
             return error_response(ApiError(str(e), param="after"))
         if after is not None and r.load_version <= after:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._load_changed.wait(), LOAD_HOLD_S)
+            self._load_waiting += 1
+            try:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._load_changed.wait(), LOAD_HOLD_S)
+            finally:
+                self._load_waiting -= 1
         loads = {i.name: {"in_flight": r.in_flight[i.name], "pending": r.pending[i.name]}
                  for i in r.instances}  # fmt: skip
         measured = [m for m in r.measured if after is None or m.version > after]
         return json_response({"instances": loads, "version": r.load_version, "measured": measured})
 
     def _wake_load_waiters(self) -> None:
-        """The router's own load changed: every held /kv/load answers now."""
-        self._load_changed.set()
-        self._load_changed = asyncio.Event()
+        """The router's own load changed: every held /kv/load answers now (twice a request:
+        nothing to do without replicas reading)."""
+        if self._load_waiting:
+            self._load_changed.set()
+            self._load_changed = asyncio.Event()
 
     async def health(self, _: Request) -> Response:
         states, synced = self.router.health.states, self.router.synced
