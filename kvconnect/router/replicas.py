@@ -119,7 +119,6 @@ class _Seen:
     at: float
     in_flight: dict[str, int]
     pending: dict[str, int]
-    version: int = 0
 
 
 class ReplicaLoads:
@@ -138,6 +137,9 @@ class ReplicaLoads:
         self._seen: dict[str, _Seen] = {}
         self._refused: set[str] = set()
         self._measured = measured
+        self._versions: dict[str, int] = {}
+        """Per replica, the version of its last answer taken: kept when it stops answering,
+        so its measurements are not taken twice when it answers again."""
 
     def update(self, replica: str, body: bytes, now: float | None = None) -> None:
         """`replica`'s /kv/load answer; `ValueError` naming what is wrong with it (then
@@ -165,8 +167,8 @@ class ReplicaLoads:
             at,
             {n: x.in_flight for n, x in loads.instances.items()},
             {n: x.pending for n, x in loads.instances.items()},
-            loads.version,
         )
+        self._versions[replica] = loads.version
         for m in loads.measured:
             self._measured(m)
 
@@ -211,8 +213,8 @@ class ReplicaLoads:
 
     async def _read(self, pool: UpstreamPool, replica: str, authorization: str | None) -> bool:
         """One read of `replica`'s load, after the version last seen; whether it counts."""
-        seen = self._seen.get(replica)
-        path = "/kv/load" if seen is None else f"/kv/load?after={seen.version}"
+        version = self._versions.get(replica)
+        path = "/kv/load" if version is None else f"/kv/load?after={version}"
         try:
             async with asyncio.timeout(REPLICA_STALE_S):
                 resp = await pool.get(replica, path, authorization)
