@@ -330,6 +330,14 @@ class KVEventSubscriber:
             finally:
                 with self._state_lock:
                     self._polling = False
+                    # close() during the poll left the sockets to this thread: close them
+                    # now (a monitor left open blocks libzmq's I/O thread, which sends its
+                    # events blocking: every socket of the context then stalls)
+                    closed = self._closed
+                    if closed:
+                        self._close_sockets()
+            if closed:
+                return None
             if not ready and deadline is not None and time.monotonic() >= deadline:
                 return None
         return self._pending.popleft()
@@ -629,6 +637,10 @@ class KVEventSubscriber:
                     os.write(self._wake_write, b"x")
 
     def _close_sockets(self) -> None:
+        """Once (under `_state_lock`): close() may have done it while the reader was between
+        polls, and the pipe's numbers may since be another socket's."""
+        if self._wake_read < 0:
+            return
         for source in self._sources:
             if source.monitor is not None:
                 source.sub.disable_monitor()
@@ -641,6 +653,7 @@ class KVEventSubscriber:
         self._dealers.clear()
         os.close(self._wake_read)
         os.close(self._wake_write)
+        self._wake_read = self._wake_write = -1
 
     def __enter__(self) -> KVEventSubscriber:
         return self

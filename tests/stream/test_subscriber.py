@@ -1,5 +1,6 @@
 import itertools
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -529,6 +530,60 @@ def test_close_ends_iteration() -> None:
     sub = KVEventSubscriber(ep)
     threading.Timer(0.2, sub.close).start()
     assert list(sub) == []
+
+
+def test_close_from_another_thread_closes_each_descriptor_once() -> None:
+    # close() while the reader is between polls closes the sockets at once; the reader, back
+    # in recv(), must not close them again: the pipe's numbers may already be another's (a
+    # fresh socket of the next publisher, in vLLM 0.33's suite: its stream never came up).
+    ep, _ = tcp_pair()
+    sub = KVEventSubscriber(ep)
+    sub.close()  # no reader polling: closed here
+    r, w = os.pipe()  # the lowest free numbers: most likely the subscriber's old pipe's
+    try:
+        assert sub.recv(timeout=0) is None  # the reader's next turn
+        os.fstat(r), os.fstat(w)  # both still open
+        os.write(w, b"x")
+        assert os.read(r, 1) == b"x"
+    finally:
+        os.close(r)
+        os.close(w)
+
+
+def test_close_while_batches_arrive_closes_every_socket() -> None:
+    # close() during the reader's poll leaves the sockets to the reader. One that returned a
+    # batch taken in that poll instead ended the iteration with its monitor open and unread:
+    # libzmq's I/O thread sends monitor events blocking, so the next one stalled every
+    # socket of the shared context (vLLM 0.33's suite: the next test's publisher never came
+    # up).
+    ep, _ = tcp_pair()
+    pub = ZmqEventPublisher.open(bind=True, endpoint=ep)
+    stop = threading.Event()
+
+    def flood() -> None:
+        i = 0
+        while not stop.is_set():
+            pub.publish(make_batch(i))
+            i += 1
+            if i % 50 == 0:
+                time.sleep(0.0005)
+
+    threading.Thread(target=flood, daemon=True).start()
+    try:
+        for _ in range(20):
+            sub = KVEventSubscriber(ep)
+            sockets = [s for src in sub._sources for s in (src.sub, src.monitor) if s]
+            got = threading.Event()
+            reader = threading.Thread(target=lambda: [got.set() for _ in sub], daemon=True)
+            reader.start()
+            assert got.wait(10)
+            sub.close()
+            reader.join(10)
+            assert not reader.is_alive()
+            assert all(s.closed for s in sockets), "the iteration ended with sockets open"
+    finally:
+        stop.set()
+        pub.shutdown()
 
 
 def test_stalled_subscriber_gets_every_batch_once_through_replay_after_resuming(

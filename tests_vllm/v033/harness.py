@@ -136,24 +136,38 @@ class Events:
 
     def __init__(self, events_dir: Path) -> None:
         self.items: list[KVCacheEvent] = []
+        self._dir = events_dir
         self._cond = threading.Condition()
         self._sub = KVEventSubscriber(
             f"ipc://{events_dir}/events", f"ipc://{events_dir}/replay", start_seq=0
         )
+        self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
-        for item in self._sub:
-            if isinstance(item, ReceivedBatch):
-                with self._cond:
-                    self.items.extend(item.batch.events)
-                    self._cond.notify_all()
+        try:
+            for item in self._sub:
+                if isinstance(item, ReceivedBatch):
+                    with self._cond:
+                        self.items.extend(item.batch.events)
+                        self._cond.notify_all()
+        except BaseException as e:  # said by wait_for: a dead reader is not "no events"
+            self._error = e
+            raise
 
     def wait_for(self, what: Callable[[list[KVCacheEvent]], bool], timeout: float = 60) -> None:
         with self._cond:
             if not self._cond.wait_for(lambda: what(self.items), timeout):
-                raise AssertionError(f"events never met the condition; got {self.items}")
+                sub = self._sub
+                raise AssertionError(
+                    f"events never met the condition; got {self.items}; subscriber: "
+                    f"reader alive {self._thread.is_alive()}, error {self._error!r}, "
+                    f"connected {sorted(sub.connected)}, handshakes {sub.num_handshakes}, "
+                    f"replayed {sub.num_batches_replayed}, replay failures "
+                    f"{sub.num_replay_failures}, bad frames {sub.num_bad_frames}; the publisher's "
+                    f"sockets {sorted(p.name for p in self._dir.iterdir() if p.is_socket())}"
+                )
 
     def snapshot(self) -> list[KVCacheEvent]:
         with self._cond:
