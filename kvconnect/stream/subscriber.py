@@ -301,10 +301,19 @@ class KVEventSubscriber:
     def recv(self, timeout: float | None = None) -> SubscriberItem | None:
         """The next item, or None if none arrived within `timeout` seconds (None: wait)."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        while not self._pending:
+        expired = False
+        while True:
             with self._state_lock:
                 if self._closed:
+                    # close() during a poll left the sockets to this thread: close them now,
+                    # whatever that poll took (a monitor left open and unread blocks libzmq's
+                    # I/O thread, which sends its events blocking: every socket of the
+                    # context then stalls)
                     self._close_sockets()
+                    return None
+                if self._pending:
+                    return self._pending.popleft()
+                if expired:
                     return None
                 self._polling = True
             try:
@@ -330,17 +339,7 @@ class KVEventSubscriber:
             finally:
                 with self._state_lock:
                     self._polling = False
-                    # close() during the poll left the sockets to this thread: close them
-                    # now (a monitor left open blocks libzmq's I/O thread, which sends its
-                    # events blocking: every socket of the context then stalls)
-                    closed = self._closed
-                    if closed:
-                        self._close_sockets()
-            if closed:
-                return None
-            if not ready and deadline is not None and time.monotonic() >= deadline:
-                return None
-        return self._pending.popleft()
+            expired = not ready and deadline is not None and time.monotonic() >= deadline
 
     @property
     def num_queued(self) -> int:

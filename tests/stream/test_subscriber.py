@@ -568,13 +568,17 @@ def test_close_while_batches_arrive_closes_every_socket() -> None:
             if i % 50 == 0:
                 time.sleep(0.0005)
 
+    def read_all(sub: KVEventSubscriber, got: threading.Event) -> None:
+        for _ in sub:
+            got.set()
+
     threading.Thread(target=flood, daemon=True).start()
     try:
         for _ in range(20):
             sub = KVEventSubscriber(ep)
             sockets = [s for src in sub._sources for s in (src.sub, src.monitor) if s]
             got = threading.Event()
-            reader = threading.Thread(target=lambda: [got.set() for _ in sub], daemon=True)
+            reader = threading.Thread(target=read_all, args=(sub, got), daemon=True)
             reader.start()
             assert got.wait(10)
             sub.close()
