@@ -168,7 +168,7 @@ class RouterServer:
         self._replica_auth = f"Bearer {token}" if token is not None else None
         self._health: asyncio.Task[None] | None = None
         self._replicas: asyncio.Task[None] | None = None
-        self._load_changed = asyncio.Event()
+        self._load_event = asyncio.Event()
         self._load_waiting = 0  # held /kv/load reads
         router.on_load_change = self._wake_load_waiters
 
@@ -381,7 +381,7 @@ class RouterServer:
             self._load_waiting += 1
             try:
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._load_changed.wait(), LOAD_HOLD_S)
+                    await asyncio.wait_for(self._load_event.wait(), LOAD_HOLD_S)
             finally:
                 self._load_waiting -= 1
         loads = {i.name: {"in_flight": r.in_flight[i.name], "pending": r.pending[i.name]}
@@ -393,8 +393,8 @@ class RouterServer:
         """The router's own load changed: every held /kv/load answers now (twice a request:
         nothing to do without replicas reading)."""
         if self._load_waiting:
-            self._load_changed.set()
-            self._load_changed = asyncio.Event()
+            self._load_event.set()
+            self._load_event = asyncio.Event()
 
     async def health(self, _: Request) -> Response:
         states, synced = self.router.health.states, self.router.synced
