@@ -11,7 +11,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -25,14 +24,17 @@ from typing import Any
 
 import pytest
 
+from tests import helpers
+
 VLLM_START_TIMEOUT = 300.0
 LOGS = Path(tempfile.gettempdir()) / "kvconnect-vllm-logs"
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A free loopback port below the kernel's ephemeral range (the unit suite's chooser): a
+    vLLM server binds some of its ports (NIXL's side channel) only minutes after it is told
+    them, and a port the kernel chose could by then be any process's outgoing connection."""
+    return helpers.free_port()
 
 
 def get_json(url: str, timeout: float = 10.0) -> Any:
@@ -173,9 +175,14 @@ class VllmServer:
             "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
             **self.extra_env,
         }
+        # A process group of its own (killed whole by `stop`), not a session: the kernel puts
+        # each session in a scheduling group of its own (autogroup), and two servers sharing a
+        # core in two groups left one's worker without any CPU for seconds at a time while
+        # the other computed (vLLM's worker spins on sched_yield between steps): its peer
+        # server could not even accept a connection (README, placement).
         with open(self.log, "wb") as log:
             self.proc = subprocess.Popen(
-                cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+                cmd, stdout=log, stderr=subprocess.STDOUT, env=env, process_group=0
             )
 
     def wait(self) -> None:
