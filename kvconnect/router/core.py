@@ -517,6 +517,7 @@ class Router:
             partial(self.costs.load_tokens, default_weight=self.load_weight) if sources else None,
             costs_out,
             pending,
+            self.costs.time_scale(names) if sources else None,
         )
         source = self._by_name[decision.source] if decision.source else None
         return Picked(self._by_name[decision.instance], decision.score, source, decision.computed)

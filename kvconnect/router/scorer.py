@@ -15,7 +15,9 @@ Where instances serve each other's prefixes (the peer tier, `remote_kv_source`),
 may also pull what another holds beyond its own prefix (`choose`'s `sources`); the pull's
 cost is learned from answers (costs.py), and a candidate's load counts what it has still to
 prefill for the requests in flight there (`pending`: the router's own count, as Dynamo's
-router counts active prefill tokens) besides their measured cost per request. Without sources
+router counts active prefill tokens) besides their measured cost per request, and each
+candidate's cost is scaled by its measured prefill time per token against a typical
+instance's (`time_scale`), so that the candidates compare by time. Without sources
 the choice depends on nothing but
 the index and the loads, so router replicas that follow the same streams decide alike; with
 them, on each replica's fits too, which agree once both have seen answers.
@@ -64,6 +66,7 @@ def choose(
     load_tokens: Callable[[str, int], float] | None = None,
     costs_out: dict[str, float] | None = None,
     pending: Mapping[str, int] | None = None,
+    time_scale: Mapping[str, float] | None = None,
 ) -> Decision:
     """The cheapest of `candidates` (non-empty) for a request of `num_tokens` prompt tokens.
     With `sources` (instances that serve pulls) and `pull_tokens`, each candidate may also
@@ -77,7 +80,10 @@ def choose(
     load_weight * in_flight(i) (the measured cost of a queue, costs.py); with it, `pending(i)`
     is added: the prompt tokens i has still to compute for the requests in flight there,
     which its prefill serves before this one's. `costs_out`, where given, gets each
-    candidate's own best cost (to compare two routers' choices)."""
+    candidate's own best cost (to compare two routers' choices). `time_scale`, where given,
+    multiplies each candidate's costs by what its prompt token takes against a typical
+    instance's (`costs.CostModel.time_scale`; 1 where absent): a slower instance's tokens
+    count for more."""
     if not candidates:
         raise ValueError("no instance to route to")
     best: tuple[float, int, int, int, int, int] | None = None
@@ -93,7 +99,8 @@ def choose(
             on_load = load_tokens(name, load) + (pending or {}).get(name, 0)
         spread = -xxhash.xxh3_64_intdigest(name.encode(), seed=spread_key & (2**64 - 1))
         tie = (load, sizes.get(name, 0), spread, order)
-        cost = (num_tokens - score.weighted_tokens) + on_load
+        scale = (time_scale or {}).get(name, 1.0)
+        cost = ((num_tokens - score.weighted_tokens) + on_load) * scale
         key = (round(cost, 9), 0, *tie)
         if best is None or key < best:
             best, decision = key, Decision(name, cost, score, None, num_tokens - score.num_tokens)
@@ -111,7 +118,7 @@ def choose(
                 + (own - score.weighted_tokens)
                 + pull_tokens(source, name, held - own)
                 + on_load
-            )
+            ) * scale
             key = (round(cost, 9), 1, *tie)
             if key < best:
                 best, decision = key, Decision(name, cost, score, source, num_tokens - held)

@@ -10,7 +10,7 @@ import random
 import pytest
 
 from kvconnect.router.core import common_prefix
-from kvconnect.router.costs import PRIOR_PULL_RATIO, CostModel
+from kvconnect.router.costs import MAX_SCALE, PRIOR_PULL_RATIO, CostModel
 from kvconnect.router.pd import min_tail_of
 
 
@@ -169,3 +169,21 @@ def test_pulled_answers_before_the_instances_fit_count_once_it_stands() -> None:
     answers(model, rng, 30, fixed=0.05, prefill=0.002, decode=0.01)
     pull = model.pull("a", "b")
     assert pull is not None and pull.s_per_token == pytest.approx(0.0001, rel=0.1)
+
+
+def test_time_scale_is_each_fitted_instances_prefill_against_the_median() -> None:
+    """Three instances measured at 1, 2 and 4 ms a token: 0.5, 1 and 2 times the median. One
+    measured alone says nothing (no scale); one measured 100x slower counts as MAX_SCALE."""
+    model = CostModel()
+    rng = random.Random(5)
+    answers(model, rng, 30, fixed=0.05, prefill=0.001, decode=0.01, name="a")
+    assert model.time_scale(["a", "b", "c"]) == {}
+    answers(model, rng, 30, fixed=0.05, prefill=0.002, decode=0.01, name="b")
+    answers(model, rng, 30, fixed=0.05, prefill=0.004, decode=0.01, name="c")
+    scale = model.time_scale(["a", "b", "c", "unmeasured"])
+    assert set(scale) == {"a", "b", "c"}
+    assert scale["a"] == pytest.approx(0.5, rel=0.02)
+    assert scale["b"] == pytest.approx(1.0)
+    assert scale["c"] == pytest.approx(2.0, rel=0.02)
+    answers(model, rng, 30, fixed=0.05, prefill=0.2, decode=0.01, name="slow")
+    assert model.time_scale(["a", "b", "slow"])["slow"] == MAX_SCALE

@@ -146,3 +146,22 @@ def test_the_tokens_a_holder_has_still_to_compute_count_against_it() -> None:
     assert (busy.instance, busy.source, busy.cost, busy.computed) == (B, A, 72, 2 * BS)
     today = choose(*args, pending={A: 64})  # without pulls: today's load weight only
     assert (today.instance, today.cost) == (A, 2 * BS + 64)
+
+
+def test_a_slower_instances_tokens_count_for_more() -> None:
+    """Nothing cached, A with one request in flight (64 tokens of load), B idle: B runs it,
+    as today. With B measured 1.5x slower than typical and A 0.5x, A's 192 + 64 tokens take
+    128 typical ones and B's 192 take 288: A runs it. A pull is scaled as the candidate's own
+    compute is: A holding 10 blocks with its queue measured at 10 tokens runs the next
+    request (2 blocks and 10: 42) rather than B pulling (2 blocks and a 40-token pull: 72),
+    unless B is more than 72 / 42 times as fast as A."""
+    cold = choose([A, B], {}, {A: 1}, PROMPT)
+    assert cold.instance == B
+    scaled = choose([A, B], {}, {A: 1}, PROMPT, time_scale={A: 0.5, B: 1.5})
+    assert (scaled.instance, scaled.cost) == (A, (PROMPT + 64) * 0.5)
+    args = ([A, B], {A: s(10)}, {A: 1}, PROMPT)
+    pull = {"sources": [A], "pull_tokens": flat(0.25), "load_tokens": lambda _n, k: 10.0 * k}
+    even = choose(*args, **pull)  # type: ignore[arg-type]
+    assert (even.instance, even.source, even.cost) == (A, None, 2 * BS + 10)
+    faster_b = choose(*args, **pull, time_scale={A: 1.0, B: 0.5})  # type: ignore[arg-type]
+    assert (faster_b.instance, faster_b.source, faster_b.cost) == (B, A, (2 * BS + 40) * 0.5)
