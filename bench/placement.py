@@ -526,7 +526,7 @@ def on_vllm() -> str:
             "rr": urls,
         }
         for way, where in targets.items():
-            warm = [tokens(rng, n) for n in (64, 256, 512, 1024, 128) * 3]
+            warm = [tokens(rng, n) for n in (64, 256, 512, 1024, 128) * 4]
             scenario(where, warm, INSTANCES, first_alone=False)
             shared = tokens(rng, PREFIX)
             burst = [shared + tokens(rng, SUFFIX) for _ in range(BURST)]
@@ -589,7 +589,7 @@ def main() -> None:
             # Traffic before the scenarios, the same for each way: a router that has served
             # a while has measured its instances (costs.py); it is not reported. The pulls
             # router shares it with its replica, which measures the instances too.
-            warm = [tokens(rng, n) for n in (64, 256, 512, 1024, 128) * 3]
+            warm = [tokens(rng, n) for n in (64, 256, 512, 1024, 128) * 4]
             scenario(where + [replica] * (way == "pulls"), warm, INSTANCES, first_alone=False)
             shared = tokens(rng, PREFIX)
             burst = [shared + tokens(rng, SUFFIX) for _ in range(BURST)]
