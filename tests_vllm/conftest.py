@@ -175,14 +175,9 @@ class VllmServer:
             "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
             **self.extra_env,
         }
-        # A process group of its own (killed whole by `stop`), not a session: the kernel puts
-        # each session in a scheduling group of its own (autogroup), and two servers sharing a
-        # core in two groups left one's worker without any CPU for seconds at a time while
-        # the other computed (vLLM's worker spins on sched_yield between steps): its peer
-        # server could not even accept a connection (README, placement).
         with open(self.log, "wb") as log:
             self.proc = subprocess.Popen(
-                cmd, stdout=log, stderr=subprocess.STDOUT, env=env, process_group=0
+                cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
             )
 
     def wait(self) -> None:
