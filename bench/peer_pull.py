@@ -100,7 +100,7 @@ def measure(lengths: list[int]) -> dict[str, Any]:
     sys.path.insert(0, str(vllm_side.ROOT))
     from tests_vllm.conftest import VllmServer, free_port, kvconnect_plugin
 
-    def config(peer_port: int) -> str:
+    def config(peer_port: int, sources: tuple[int, ...]) -> str:
         tier_bytes = (max(lengths) // CHUNK + 2) * CHUNK * TOKEN_BYTES * 2
         return json.dumps(
             kvconnect_plugin(
@@ -108,7 +108,11 @@ def measure(lengths: list[int]) -> dict[str, Any]:
                     "chunk_size": CHUNK,
                     "max_pending_stores": 256,
                     "tiers": [{"kind": "cpu", "max_bytes": tier_bytes}],
-                    "peer": {"port": peer_port, "timeout_s": 30},
+                    "peer": {
+                        "port": peer_port,
+                        "timeout_s": 30,
+                        "sources": [f"127.0.0.1:{p}" for p in sources],
+                    },
                 }
             )
         )
@@ -120,10 +124,10 @@ def measure(lengths: list[int]) -> dict[str, Any]:
             vllm_side.VLLM_MODEL,
             BLOCK,
             cpu=cpu,
-            extra_args=[*args, "--kv-transfer-config", config(port)],
+            extra_args=[*args, "--kv-transfer-config", config(port, sources)],
             extra_env={"VLLM_SERVER_DEV_MODE": "1"},  # /reset_prefix_cache
         )
-        for cpu, port in ((0, a_port), (1, free_port()))
+        for cpu, port, sources in ((0, a_port, ()), (1, free_port(), (a_port,)))
     ]
     for s in servers:
         s.start()

@@ -98,7 +98,8 @@ class Run:
     start: float = field(default_factory=time.perf_counter)
 
 
-def instance_config(peer_port: int) -> str:
+def instance_config(peer_port: int, sources: list[int]) -> str:
+    """An instance serving on `peer_port` that may pull from the peers on `sources`."""
     return json.dumps(
         {
             "kv_connector": "OffloadConnector",
@@ -106,7 +107,11 @@ def instance_config(peer_port: int) -> str:
             "kv_connector_extra_config": {
                 "chunk_size": CHUNK,
                 "tiers": [{"kind": "cpu", "max_bytes": 1 << 30}],
-                "peer": {"port": peer_port, "timeout_s": 10.0},
+                "peer": {
+                    "port": peer_port,
+                    "timeout_s": 10.0,
+                    "sources": [f"127.0.0.1:{p}" for p in sources if p != peer_port],
+                },
             },
         }
     )
@@ -116,15 +121,15 @@ def start_instances(ps: routers.Processes) -> tuple[list[tuple[str, int, int]], 
     """(url, events port, peer port) of each instance (replay on events + 10000), and the
     command line of each."""
     out, commands = [], []
-    for i in range(INSTANCES):
+    peers = [routers.free_port() for _ in range(INSTANCES)]  # each may pull from the others
+    for i, peer in enumerate(peers):
         port = routers.free_port((0, 10000, 20000))
-        peer = routers.free_port()
         events = {"enable_kv_cache_events": True}  # published on port + 10000, replay + 20000
         args = ["taskset", "-c", str(i % 2),
                 sys.executable, "-m", "kvconnect.cli", "serve", "--model", "smollm2",
                 "--port", str(port), "--enable-prompt-tokens-details",
                 "--kv-events-config", json.dumps(events),
-                "--kv-transfer-config", instance_config(peer)]  # fmt: skip
+                "--kv-transfer-config", instance_config(peer, peers)]  # fmt: skip
         ps.start(args, f"serve-{i}", f"http://127.0.0.1:{port}", timeout=300)
         out.append((f"http://127.0.0.1:{port}", port + 10000, peer))
         commands.append(args)
@@ -501,7 +506,12 @@ def on_vllm() -> str:
 
     def plugin(peer: int) -> str:
         tiers = [{"kind": "cpu", "max_bytes": 1 << 30}]
-        config = {"chunk_size": CHUNK, "tiers": tiers, "peer": {"port": peer, "timeout_s": 10.0}}
+        sources = [f"127.0.0.1:{p}" for p in peers if p != peer]
+        config = {
+            "chunk_size": CHUNK,
+            "tiers": tiers,
+            "peer": {"port": peer, "timeout_s": 10.0, "sources": sources},
+        }
         return json.dumps(kvconnect_plugin(config))
 
     servers = [

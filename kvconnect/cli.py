@@ -264,6 +264,12 @@ def _router_flags(commands: Commands, common: Parser) -> None:
         "needs --api-key, else --allow-unauthenticated",
     )
     r.add_argument(
+        "--trust-client-kv-params",
+        action="store_true",
+        help="relay clients' own kv_transfer_params to the instances (the clients are proxies); "
+        "by default they are dropped: kv_transfer_params are the router's to send",
+    )
+    r.add_argument(
         "--allow-unauthenticated",
         action="store_true",
         help="with --instance-api-key and no --api-key, serve anyway: every client that reaches "

@@ -131,8 +131,11 @@ class Events:
 
 
 class Server:
-    def __init__(self, model: Path, tp: int, work: Path, name: str = "a") -> None:
-        self.model, self.tp, self.work = model, tp, work / name
+    def __init__(
+        self, model: Path, tp: int, work: Path, name: str = "a", sources: tuple[int, ...] = ()
+    ) -> None:
+        """`sources`: the peer ports of the servers this one may pull from."""
+        self.model, self.tp, self.work, self.sources = model, tp, work / name, sources
         self.work.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
         self.peer_port = free_port()  # rank r serves on peer_port + r
@@ -155,7 +158,11 @@ class Server:
             "kv_connector_extra_config": {
                 "chunk_size": CHUNK,
                 "tiers": tiers,
-                "peer": {"port": self.peer_port, "timeout_s": 30},
+                "peer": {
+                    "port": self.peer_port,
+                    "timeout_s": 30,
+                    "sources": [f"127.0.0.1:{p}" for p in self.sources],
+                },
             },
         }
         events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": self.events}
@@ -329,7 +336,7 @@ def run_checks(server: Server, name: str, puller: Server) -> str:
 def serve(args: argparse.Namespace) -> None:
     work = Path(tempfile.mkdtemp(prefix=f"kvc-gpu-tp{args.tp}-", dir=args.work))
     server = Server(Path(args.model), args.tp, work)
-    puller = Server(Path(args.model), args.tp, work, "b")
+    puller = Server(Path(args.model), args.tp, work, "b", (server.peer_port,))
     try:
         server.start()
         print(run_checks(server, f"{args.name} TP={args.tp}", puller), flush=True)

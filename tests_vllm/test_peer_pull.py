@@ -25,12 +25,12 @@ BLOCK, CHUNK = 64, 256
 CHUNK_BYTES = 30 * 2 * CHUNK * 3 * 64 * 4
 
 
-def config(peer_port: int) -> dict[str, Any]:
+def config(peer_port: int, sources: tuple[int, ...] = ()) -> dict[str, Any]:
     return kvconnect_plugin(
         {
             "chunk_size": CHUNK,
             "tiers": [{"kind": "cpu", "max_bytes": 16 * CHUNK_BYTES}],
-            "peer": {"port": peer_port},
+            "peer": {"port": peer_port, "sources": [f"127.0.0.1:{p}" for p in sources]},
         }
     )
 
@@ -43,10 +43,10 @@ def pair(model_dir: Path) -> Iterator[tuple[VllmServer, VllmServer, int]]:
             model_dir,
             BLOCK,
             cpu=cpu,
-            extra_args=["--kv-transfer-config", json.dumps(config(p))],
+            extra_args=["--kv-transfer-config", json.dumps(config(p, sources))],
             extra_env={"VLLM_SERVER_DEV_MODE": "1"},  # /reset_prefix_cache
         )
-        for cpu, p in ((0, a_port), (1, free_port()))
+        for cpu, p, sources in ((0, a_port, ()), (1, free_port(), (a_port,)))
     ]
     with running(made):
         yield made[0], made[1], a_port
@@ -79,16 +79,20 @@ def test_a_request_naming_a_peer_pulls_its_chunks_into_vllm(
         b_events.close()
 
 
-def test_a_host_not_in_the_sources_is_never_asked(
+def test_a_peer_not_in_the_sources_is_never_asked(
     pair: tuple[VllmServer, VllmServer, int],
 ) -> None:
+    """vLLM's server passes kv_transfer_params on unchecked: the plugin refuses a peer that is
+    not configured (another host for a, b's own HTTP port), logs it and computes."""
     a, b, a_port = pair
     tokens = prompt(2)
     answer, _ = complete(a, tokens)
     before = external_hits(b)
     assert complete(b, tokens, **source(a_port, host="localhost")) == (answer, 0)
+    own = int(b.url.rsplit(":", 1)[1])
+    assert complete(b, tokens, **source(own)) == (answer, 0)
     assert external_hits(b) == before
-    assert "not in the peer config's sources" in b.log.read_text()
+    assert "is not one of this instance's peers" in b.log.read_text()
 
 
 def test_pd_between_two_vllm_servers_in_nixl_connectors_handshake(

@@ -24,6 +24,7 @@ from typing import Annotated, Any, TypeVar
 
 import msgspec
 
+from kvconnect import transfer_params
 from kvconnect.api.structured import (
     GrammarSpec,
     NamedToolChoice,
@@ -34,6 +35,7 @@ from kvconnect.api.structured import (
     Tools,
     grammar_spec,
 )
+from kvconnect.transfer_params import KVTransferParams
 
 MAX_BODY_BYTES = 4 << 20
 """Larger bodies get 413 before they are parsed."""
@@ -103,55 +105,6 @@ class StreamOptions(msgspec.Struct):
     include_usage: bool = False
 
 
-PeerHost = Annotated[str, msgspec.Meta(min_length=1, max_length=253, pattern=r"^[A-Za-z0-9.:_-]+$")]
-
-
-class RemoteKVSource(msgspec.Struct, forbid_unknown_fields=True):
-    """A peer instance to pull the prompt's KV from (rank 0's peer port; rank r: port + r)."""
-
-    host: PeerHost
-    port: Annotated[int, msgspec.Meta(ge=1, le=65535)]
-
-
-LeaseId = Annotated[str, msgspec.Meta(min_length=1, max_length=256, pattern=r"^[\x21-\x7e]+$")]
-ChunkHash = Annotated[str, msgspec.Meta(min_length=2, max_length=128, pattern=r"^([0-9a-f]{2})+$")]
-
-
-class KVTransferParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
-    """vLLM's `kv_transfer_params`, for the connector: what kvconnect's offload connector
-    reads from it (an unknown key is a 400, not silently ignored). Two forms:
-    `remote_kv_source`, and P/D in NixlConnector's handshake: `do_remote_decode` to the
-    prefill instance (a proxy sends the other keys as null), whose answer's params, with
-    `do_remote_prefill`, go to the decode instance unchanged."""
-
-    remote_kv_source: RemoteKVSource | None = None
-    """Pull the longest prefix this peer holds in its tiers, compute the rest."""
-    do_remote_decode: bool = False
-    """P/D, to the prefill instance: lease the prompt's chunks, answer where they are."""
-    do_remote_prefill: bool = False
-    """P/D, to the decode instance: pull from remote_host:remote_port, compute the rest."""
-    remote_host: PeerHost | None = None
-    remote_port: Annotated[int, msgspec.Meta(ge=1, le=65535)] | None = None
-    remote_engine_id: Annotated[str, msgspec.Meta(max_length=256)] | None = None
-    remote_request_id: LeaseId | None = None
-    """The prefill's lease, released once pulled."""
-    remote_block_ids: Annotated[list[Any], msgspec.Meta(max_length=1 << 16)] | None = None
-    """NixlConnector's; kvconnect names chunks by `remote_chunk_hashes` and ignores it."""
-    tp_size: Annotated[int, msgspec.Meta(ge=1, le=1024)] | None = None
-    remote_num_tokens: Annotated[int, msgspec.Meta(ge=0)] | None = None
-    remote_blocks_expiry_time: float | None = None
-    remote_chunk_hashes: Annotated[list[ChunkHash], msgspec.Meta(max_length=4096)] | None = None
-    """The last block hash (hex) of each chunk the prefill instance leased, from the first."""
-
-    def __post_init__(self) -> None:
-        if self.do_remote_prefill and (self.remote_host is None or self.remote_port is None):
-            raise msgspec.ValidationError(
-                "do_remote_prefill needs remote_host and remote_port (the prefill answer's)"
-            )
-        if self.do_remote_prefill and self.do_remote_decode:
-            raise msgspec.ValidationError("do_remote_prefill and do_remote_decode are exclusive")
-
-
 class BaseRequest(msgspec.Struct, kw_only=True):
     """What every request shares: the model it is for (None: the one served)."""
 
@@ -197,14 +150,27 @@ class _Sampling(BaseRequest, kw_only=True):
     """OpenAI's: json_object or json_schema (vLLM takes it on completions too)."""
     structured_outputs: StructuredOutputs | None = None
     """vLLM's: json, json_object, regex, choice or grammar."""
-    kv_transfer_params: KVTransferParams | None = None
-    """vLLM's: per-request instructions for the KV connector (a peer to pull from)."""
+    kv_transfer_params: dict[str, Any] | None = None
+    """vLLM's: per-request instructions for the KV connector (a peer to pull from, P/D), the
+    keys of `kvconnect.transfer_params` only (an unknown one is a 400, not ignored)."""
 
     def transfer_params(self) -> dict[str, Any] | None:
         """`kv_transfer_params` as the engine's connector reads it (None: none given)."""
+        return self.kv_transfer_params or None
+
+    def wants_prompt_logprobs(self) -> bool:
+        """Whether the answer carries the prompt's logprobs: the engine then computes the whole
+        prompt and reads no cached prefix (vLLM skips its prefix cache for them too)."""
+        return self.prompt_logprobs is not None
+
+    def transfer(self) -> KVTransferParams | None:
+        """`kv_transfer_params` checked (`ApiError` naming the key that is wrong)."""
         if self.kv_transfer_params is None:
             return None
-        return msgspec.to_builtins(self.kv_transfer_params) or None
+        try:
+            return transfer_params.parse(self.kv_transfer_params)
+        except ValueError as e:
+            raise ApiError(str(e), "kv_transfer_params") from None
 
     def check_unsupported(self) -> None:
         if self.stream_options is not None and not self.stream:
@@ -213,6 +179,7 @@ class _Sampling(BaseRequest, kw_only=True):
             raise ApiError("prompt_logprobs are not available with stream: true", "prompt_logprobs")
         self.token_biases()
         self.grammar()
+        self.transfer()
 
     def grammar(self) -> GrammarSpec | None:
         """The one grammar the output follows, if any (`ApiError` naming the field if the
@@ -257,6 +224,9 @@ class CompletionRequest(_Sampling, kw_only=True):
     """Each output token's logprob, with this many most likely alternatives."""
     best_of: int | None = None
     suffix: str | None = None
+
+    def wants_prompt_logprobs(self) -> bool:
+        return super().wants_prompt_logprobs() or (self.echo and self.logprobs is not None)
 
     def check_unsupported(self) -> None:
         super().check_unsupported()

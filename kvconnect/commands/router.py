@@ -61,6 +61,7 @@ def run_router_command(args: argparse.Namespace) -> int:
         ),
         allow_unauthenticated=args.allow_unauthenticated,
         pd_min_tail=args.pd_min_tail,
+        trust_client_kv_params=args.trust_client_kv_params,
     )
     check_port_free(args.host, args.port, "--port")
     tokenizer = load_tokenizer(args.model)

@@ -8,15 +8,17 @@ from kvconnect.commands.startup import (
     check_events_ports,
     check_port_free,
     events_config,
+    peer_config,
     transfer_config,
 )
+from kvconnect.connector.offload.common import PeerConfig
 from kvconnect.engine.llm import LLM
 from kvconnect.http.auth import admin_token_from, api_key_from
 from kvconnect.http.limits import ConnectionLimits
 from kvconnect.serve.server import ServeOptions, serve
 
 
-def serve_options(args: argparse.Namespace) -> ServeOptions:
+def serve_options(args: argparse.Namespace, peer: PeerConfig | None = None) -> ServeOptions:
     """The API's options from the flags (and the keys from the environment)."""
     return ServeOptions(
         max_num_waiting=args.max_num_waiting,
@@ -26,6 +28,8 @@ def serve_options(args: argparse.Namespace) -> ServeOptions:
         api_key=api_key_from(args.api_key, vllm_env=True),
         admin_token=admin_token_from(args.admin_token),
         limits=ConnectionLimits(args.max_connections, args.header_timeout, args.body_timeout),
+        peer_sources=peer.source_addrs if peer is not None else frozenset(),
+        peer_pd=peer is not None and peer.pd,
     )
 
 
@@ -33,7 +37,7 @@ def run_serve(args: argparse.Namespace) -> int:
     """`kvconnect serve`: configs and ports checked, then the model loaded, then served."""
     events = events_config(args.kv_events_config, args.port)
     transfer = transfer_config(args.kv_transfer_config)
-    options = serve_options(args)
+    options = serve_options(args, peer_config(transfer, args.block_size))
     check_port_free(args.host, args.port, "--port")
     check_events_ports(events)
     llm = LLM(

@@ -13,6 +13,7 @@ import socket
 from typing import Any
 
 from kvconnect.config import KVEventsConfig, KVTransferConfig
+from kvconnect.connector.offload.common import PeerConfig, configured_peer
 from kvconnect.connector.registry import KVConnectorFactory
 from kvconnect.stream.publisher import EventPublisherFactory
 
@@ -73,6 +74,15 @@ def transfer_config(text: str | None) -> KVTransferConfig | None:
     except ValueError as e:
         raise ValueError(f"--kv-transfer-config: {e}") from None
     return config
+
+
+def peer_config(transfer: KVTransferConfig | None, block_size: int) -> PeerConfig | None:
+    """The offload connector's peer settings, checked now (a bad one: `ValueError` naming
+    `--kv-transfer-config` and the field, before the model loads)."""
+    try:
+        return configured_peer(transfer, block_size)
+    except ValueError as e:
+        raise ValueError(f"--kv-transfer-config: {e}") from None
 
 
 def check_port_free(host: str, port: int, what: str) -> None:

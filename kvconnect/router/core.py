@@ -638,8 +638,13 @@ class Router:
 def stale_check(
     req: CompletionRequest | ChatCompletionRequest, token_ids: list[int]
 ) -> StaleCheck | None:
-    """A request whose usage speaks of one prompt (chat, or a single completion prompt).
-    `req`'s prompt was validated already (`Router.prompt_tokens`): its shape is enough."""
+    """A request whose usage speaks of one prompt (chat, or a single completion prompt) and
+    whose engine reads its cache: one that asks for the prompt's logprobs computes all of it,
+    so its count says nothing of what the instance holds (a request's options never change
+    the index). `req`'s prompt was validated already (`Router.prompt_tokens`): its shape is
+    enough."""
+    if req.wants_prompt_logprobs():
+        return None
     if isinstance(req, CompletionRequest):
         p = req.prompt
         if not (isinstance(p, str) or len(p) == 1 or not isinstance(p[0], str | list)):

@@ -10,7 +10,8 @@ NixlConnector pairs alike:
     3. D gets the client's request with P's answer's `kv_transfer_params`; its answer
        (streamed or not) is the client's
 
-A P that fails, times out, answers an error or no params costs only its time: D gets the
+A P that fails, times out, answers an error, no params or malformed ones (the keys of
+`kvconnect.transfer_params`, checked as D checks them) costs only its time: D gets the
 client's request unchanged and computes the prompt (counted: `pd_prefill_failed`). What
 each step sent where is counted per outcome (`kvconnect_router_pd_total`).
 
@@ -31,17 +32,10 @@ from kvconnect.http.client import Unreachable, UpstreamBroken, UpstreamPool, Ups
 from kvconnect.router.core import Instance, Router
 from kvconnect.router.costs import CostModel
 from kvconnect.router.index import PrefixScore
+from kvconnect.transfer_params import TO_PREFILL, parse
 
 logger = logging.getLogger(__name__)
 
-TO_PREFILL: dict[str, Any] = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-}
 MAX_PREFILL_ANSWER = 1 << 20
 """A prefill's answer is one token and its params: anything longer is not one."""
 
@@ -69,6 +63,14 @@ def decode_body(raw: bytes, params: dict[str, Any]) -> bytes:
     """The client's request as D gets it: with P's params."""
     body = msgspec.json.decode(raw)
     body["kv_transfer_params"] = params
+    return _encode(body)
+
+
+def without_params(raw: bytes) -> bytes:
+    """The client's request without its `kv_transfer_params`: they are the proxy's to send
+    (a client's would make an instance pull from or lease to whom the client says)."""
+    body = msgspec.json.decode(raw)
+    body.pop("kv_transfer_params", None)
     return _encode(body)
 
 
@@ -164,5 +166,12 @@ async def _run_prefill(
         return None
     if not params or not params.get("do_remote_prefill"):
         logger.warning("router: prefill %s gave no kv_transfer_params; decode computes", name)
+        return None
+    try:  # the keys kvconnect reads, as the decode instance checks them (others pass)
+        parse(params, strict=False)
+    except ValueError as e:
+        logger.warning(
+            "router: prefill %s answered malformed params (%s); decode computes", name, e
+        )
         return None
     return params

@@ -74,7 +74,7 @@ from kvconnect.http.limits import ConnectionLimits
 from kvconnect.router.core import Router, stale_check
 from kvconnect.router.forward import forward
 from kvconnect.router.metrics import RouterMetrics
-from kvconnect.router.pd import prefilled, with_source
+from kvconnect.router.pd import prefilled, with_source, without_params
 from kvconnect.router.replicas import LOAD_HOLD_S, load_after
 
 logger = logging.getLogger(__name__)
@@ -99,6 +99,10 @@ class RouterOptions:
     pd_min_tail: int = 256
     """P/D: disaggregate only when the decode instance lacks at least this many of the
     prompt's tokens, until the pair's crossover is measured (router/pd.py)."""
+    trust_client_kv_params: bool = False
+    """Relay a client's own `kv_transfer_params` (the client is a proxy); else they are
+    dropped: a client must not make an instance pull from or lease to whom it says, nor read
+    a prefill's peer address and lease in its answer."""
 
     def __post_init__(self) -> None:
         key = self.instance_api_key
@@ -164,6 +168,7 @@ class RouterServer:
         self._instance_auth = f"Bearer {key}" if key is not None else None
         self.pool = UpstreamPool(read_timeout=options.upstream_timeout)
         self.pd_min_tail = options.pd_min_tail
+        self.trust_client_kv_params = options.trust_client_kv_params
         token = options.admin_token or options.api_key
         self._replica_auth = f"Bearer {token}" if token is not None else None
         self._health: asyncio.Task[None] | None = None
@@ -229,6 +234,10 @@ class RouterServer:
         req, token_ids = await self._parse(http, chat)
         router = self.router
         authorization = self._authorization(http)
+        raw = http.body  # what the instance gets, but for the params added below
+        own_params = req.kv_transfer_params is not None and self.trust_client_kv_params
+        if req.kv_transfer_params is not None and not own_params:
+            raw = without_params(raw)
         tried: set[str] = set()
         failed = ""
         prefill_pending = bool(router.prefill_names)  # P/D: once, whichever D answers
@@ -257,7 +266,7 @@ class RouterServer:
                         router,
                         self.pool,
                         http.path,
-                        http.body,
+                        raw,
                         token_ids,
                         instance.name,
                         score,
@@ -266,8 +275,8 @@ class RouterServer:
                         req.cache_salt,
                     )
                 body, pulls_from = with_params or (None, None)
-                if body is None and source is not None and req.kv_transfer_params is None:
-                    body = with_source(http.body, source)  # the client's own params win
+                if body is None and source is not None and not own_params:
+                    body = with_source(raw, source)  # a trusted client's own params win
                     pulls_from = source.name
                 # D counts what it pulled (or, vLLM, P's hits), not what its index entry says;
                 # an instance that pulled, what it pulled too
@@ -276,7 +285,7 @@ class RouterServer:
                     http,
                     self.pool,
                     instance,
-                    body or http.body,
+                    body or raw,
                     router,
                     score,
                     check,

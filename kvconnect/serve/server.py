@@ -76,6 +76,7 @@ from kvconnect.serve.prepare import (
     prepare,
 )
 from kvconnect.serve.tokens import detokenize_body, tokenize_body
+from kvconnect.transfer_params import check_source, source_of
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +97,11 @@ class ServeOptions:
     api_key: str | None = field(default=None, repr=False)
     admin_token: str | None = field(default=None, repr=False)
     limits: ConnectionLimits = field(default_factory=ConnectionLimits)
+    peer_sources: frozenset[tuple[str, int]] = frozenset()
+    """The peers a request's `kv_transfer_params` may name (the offload connector's
+    `peer.sources`); any other is a 400 naming the key."""
+    peer_pd: bool = True
+    """Whether P/D params (`do_remote_prefill`) name kvconnect peers (`peer.pd`)."""
 
     def __post_init__(self) -> None:
         if self.request_timeout is not None and not 0 < self.request_timeout < float("inf"):
@@ -133,6 +139,17 @@ class OpenAIServer:
                 code="model_not_found",
             )
 
+    def _check_source(self, req: GenerateRequest) -> None:
+        """A peer named in `kv_transfer_params` must be a configured one: a client names
+        peers, never where this instance connects."""
+        params = req.transfer()
+        named = None if params is None else source_of(params, self.options.peer_pd)
+        if named is not None:
+            try:
+                check_source(named, self.options.peer_sources)
+            except ValueError as e:
+                raise ApiError(str(e), "kv_transfer_params") from None
+
     # -- handlers -----------------------------------------------------------------------------
 
     async def completions(self, http: web.Request) -> web.StreamResponse:
@@ -149,6 +166,7 @@ class OpenAIServer:
             body = await read_body(http)
             req = parse(body, ChatCompletionRequest) if chat else parse(body, CompletionRequest)
             self._check_model(req.model)
+            self._check_source(req)
             prepared = await asyncio.to_thread(prepare, req, self.info, loop)
         except ApiError as e:
             return error_response(e)

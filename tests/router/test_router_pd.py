@@ -6,6 +6,7 @@ kv_transfer_params, D gets the client's request with them, pulls P's chunks and 
     a 150-token prompt                 prefilled on P, D pulls 4 chunks (cached_tokens 128),
                                        the same answer as P's monolithic one, streamed too
     a prompt D lacks less of than the --pd-min-tail    D computes it alone ("local")
+    a P answering malformed params     D computes (never a 400 for the client)
     P stopped                          D computes; the client still gets its answer
 """
 
@@ -14,8 +15,11 @@ from __future__ import annotations
 import json
 import random
 import re
+import threading
 import urllib.request
 from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -26,7 +30,7 @@ from tests.serving import RouterProcess, Serve, get, post
 pytestmark = pytest.mark.slow
 
 
-def config(peer_port: int) -> str:
+def config(peer_port: int, sources: tuple[int, ...] = ()) -> str:
     return json.dumps(
         {
             "kv_connector": "OffloadConnector",
@@ -34,7 +38,11 @@ def config(peer_port: int) -> str:
             "kv_connector_extra_config": {
                 "chunk_size": 32,
                 "tiers": [{"kind": "cpu", "max_bytes": 1 << 26}],
-                "peer": {"port": peer_port, "timeout_s": 2.0},
+                "peer": {
+                    "port": peer_port,
+                    "timeout_s": 2.0,
+                    "sources": [f"127.0.0.1:{p}" for p in sources],
+                },
             },
         }
     )
@@ -44,8 +52,9 @@ def config(peer_port: int) -> str:
 def pd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Serve, Serve, RouterProcess]]:
     tmp = tmp_path_factory.mktemp("pd")
     details = "--enable-prompt-tokens-details"
-    p = Serve(tmp, "--kv-transfer-config", config(free_port()), details)
-    d = Serve(tmp, "--kv-transfer-config", config(free_port()), details)
+    p_port = free_port()
+    p = Serve(tmp, "--kv-transfer-config", config(p_port), details)
+    d = Serve(tmp, "--kv-transfer-config", config(free_port(), (p_port,)), details)
     p.start()
     d.start()
     router = RouterProcess(tmp, [d], "--prefill-instance", p.instance, "--pd-min-tail", "64")
@@ -119,6 +128,65 @@ def test_a_short_tail_is_computed_on_d_alone(pd: tuple[Serve, Serve, RouterProce
     assert (cached, instance) == (0, d.url)
     assert pd_outcomes(router)["local"] == before + 1
     assert text == complete(p.url, tokens)[0]
+
+
+class MalformedPrefill(ThreadingHTTPServer):
+    """A prefill instance whose answers carry kv_transfer_params D would refuse."""
+
+    def __init__(self) -> None:
+        super().__init__(("127.0.0.1", free_port()), _MalformedHandler)
+        threading.Thread(target=self.serve_forever, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}"
+
+
+class _MalformedHandler(BaseHTTPRequestHandler):
+    def _answer(self, body: dict[str, Any]) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self) -> None:
+        self._answer({"status": "ok"})
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers["Content-Length"]))
+        params = {"do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": "x"}
+        self._answer({"choices": [{"text": "?"}], "kv_transfer_params": params})
+
+    def log_message(self, *_: Any) -> None:
+        pass
+
+
+def test_a_prefill_answering_malformed_params_leaves_d_to_compute(
+    pd: tuple[Serve, Serve, RouterProcess], tmp_path: Path
+) -> None:
+    """D would answer such params with a 400 naming the key; the router never sends them."""
+    p, d, _ = pd
+    fake = MalformedPrefill()
+    router = RouterProcess(
+        tmp_path,
+        [d],
+        "--prefill-instance",
+        f"{fake.url},tcp://127.0.0.1:{free_port()}",
+        "--pd-min-tail",
+        "64",
+    )
+    try:
+        router.start()
+        tokens = prompt(5)
+        text, cached, _ = complete(router.url, tokens)
+        assert (text, cached) == (complete(p.url, tokens)[0], 0)
+        assert pd_outcomes(router)["prefill_failed"] == 1
+        assert "answered malformed params" in router.logs()
+    finally:
+        router.stop()
+        fake.shutdown()
 
 
 def test_a_failed_prefill_leaves_d_to_compute(pd: tuple[Serve, Serve, RouterProcess]) -> None:

@@ -36,10 +36,11 @@ def prompt(seed: int, n: int = 150) -> list[int]:
 def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, list[Serve]]]:
     tmp = tmp_path_factory.mktemp("pulls")
     servers = []
-    for _ in range(2):
-        port = free_port()
+    ports = (free_port(), free_port())  # each may pull from the other
+    for port in ports:
         details = "--enable-prompt-tokens-details"
-        servers.append(Serve(tmp, "--kv-transfer-config", config(port), details, peer_port=port))
+        spec = config(port, tuple(p for p in ports if p != port))
+        servers.append(Serve(tmp, "--kv-transfer-config", spec, details, peer_port=port))
     with serving(servers):
         yield tmp, servers
 

@@ -5,7 +5,7 @@ reaches B's cache, and computes the rest; B then holds them (its cpu tier announ
 
     A answers the prompt                     A's cpu tier stores its 4 chunks of 32
     B, remote_kv_source A                    cached_tokens 128 (pulled), A's answer
-    B, a host not in its peer sources        not contacted: cached_tokens 0, the same answer
+    B, a peer not in its sources             a 400 naming the key; A is never contacted
     B, a source that never answers           1 s (timeout_s), then computed: the same answer
     B, a source that serves other chunks     refused (integrity), computed: the same answer
     P/D: A with do_remote_decode, max_tokens 1   its answer names its peer port and chunks
@@ -23,7 +23,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 import pytest
@@ -48,7 +48,8 @@ def prompt(seed: int) -> list[int]:
     return [rng.randrange(256) for _ in range(150)]  # 4 whole chunks of 32
 
 
-def config(peer_port: int, **peer: Any) -> str:
+def config(peer_port: int, sources: tuple[int, ...] = (), **peer: Any) -> str:
+    """An instance serving on `peer_port` that may pull from the peers on `sources`."""
     return json.dumps(
         {
             "kv_connector": "OffloadConnector",
@@ -56,23 +57,38 @@ def config(peer_port: int, **peer: Any) -> str:
             "kv_connector_extra_config": {
                 "chunk_size": CHUNK,
                 "tiers": [{"kind": "cpu", "max_bytes": 1 << 26}],
-                "peer": {"port": peer_port, "timeout_s": 1.0, **peer},
+                "peer": {
+                    "port": peer_port,
+                    "timeout_s": 1.0,
+                    "sources": [f"127.0.0.1:{p}" for p in sources],
+                    **peer,
+                },
             },
         }
     )
 
 
+class Pair(NamedTuple):
+    a: Serve
+    b: Serve
+    a_port: int
+    """A's peer port: one of B's sources."""
+    impostor: int
+    """Another of B's sources, for the tests' own servers that play a peer."""
+
+
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Serve, Serve, int]]:
+def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
     tmp = tmp_path_factory.mktemp("peer-pull")
-    a_port = free_port()
-    a = Serve(tmp, "--kv-transfer-config", config(a_port), "--enable-prompt-tokens-details")
-    b = Serve(tmp, "--kv-transfer-config", config(free_port()), "--enable-prompt-tokens-details")
+    a_port, impostor = free_port(), free_port()
+    details = "--enable-prompt-tokens-details"
+    a = Serve(tmp, "--kv-transfer-config", config(a_port), details)
+    b = Serve(tmp, "--kv-transfer-config", config(free_port(), (a_port, impostor)), details)
     a.start()
     try:
         b.start()
         try:
-            yield a, b, a_port
+            yield Pair(a, b, a_port, impostor)
         finally:
             assert b.stop() == 0, b.logs()
     finally:
@@ -127,11 +143,11 @@ def cpu_chunks(sub: KVEventSubscriber, want: int, gpu: set[Any] | None = None) -
 
 
 def test_a_request_naming_a_peer_pulls_the_prefix_it_holds(
-    pair: tuple[Serve, Serve, int],
+    pair: Pair,
 ) -> None:
     """B pulls A's 4 chunks (A's answer, cached_tokens 128), then holds them in its own cpu
     tier and announces them there: the same chunks (block hashes) as A announced."""
-    a, b, a_port = pair
+    a, b, a_port, _ = pair
     tokens = prompt(1)
     a_sub = KVEventSubscriber(*a.instance.split(",")[1:], start_seq=0)
     b_sub = KVEventSubscriber(*b.instance.split(",")[1:], start_seq=0)
@@ -164,29 +180,59 @@ def test_a_request_naming_a_peer_pulls_the_prefix_it_holds(
     assert metric(a, "kvconnect_connector_peer_chunks_served_total") == 4
 
 
-def test_a_host_not_in_the_peer_sources_is_never_contacted(
-    pair: tuple[Serve, Serve, int],
+@pytest.mark.parametrize(
+    "named",
+    [
+        {"remote_kv_source": {"host": "localhost", "port": "A"}},  # A's port, not as listed
+        {"remote_kv_source": {"host": "127.0.0.1", "port": "B's HTTP"}},
+        {"remote_kv_source": {"host": "127.0.0.1", "port": 1}},
+        {
+            "do_remote_prefill": True,
+            "remote_host": "127.0.0.1",
+            "remote_port": "B's HTTP",
+            "remote_chunk_hashes": ["00" * 32],
+        },
+    ],
+)
+def test_a_peer_that_is_not_configured_is_a_400_naming_the_key_and_never_contacted(
+    pair: Pair, named: dict[str, Any]
 ) -> None:
-    a, b, a_port = pair
+    """Only B's configured peers (`peer.sources`, HOST:PORT as listed) may be named: another
+    host for A, any other port of a listed host (B's own HTTP port), or a P/D prefill that is
+    not a peer is refused before anything runs, and A is never asked."""
+    a, b, a_port, _ = pair
     tokens = prompt(2)
-    text, _ = complete(a, tokens)
+    complete(a, tokens)
     stored_on(a, 1)
     served = metric(a, "kvconnect_connector_peer_chunks_served_total")
-    assert complete(b, tokens, **source(a_port, host="localhost")) == (text, 0)
+    ports = {"A": a_port, "B's HTTP": int(b.url.rsplit(":", 1)[1])}
+    params = json.loads(json.dumps(named))
+    where = params.get("remote_kv_source", params)
+    key = "port" if "remote_kv_source" in params else "remote_port"
+    where[key] = ports.get(where[key], where[key])
+    status, body, _ = post(
+        b.url + "/v1/completions",
+        {"model": "tiny", "prompt": tokens, "max_tokens": 1, "kv_transfer_params": params},
+    )
+    assert status == 400, body
+    assert body["error"]["param"] == "kv_transfer_params"
+    assert "is not one of this instance's peers" in body["error"]["message"]
+    assert f"127.0.0.1:{a_port}" in body["error"]["message"]  # the peers it may name
+    complete(a, [1, 2, 3])  # A's workers report their counts with a step's output
     assert metric(a, "kvconnect_connector_peer_chunks_served_total") == served
-    assert "not in the peer config's sources" in b.logs()
 
 
 def test_a_silent_source_costs_its_timeout_then_the_prompt_is_computed(
-    pair: tuple[Serve, Serve, int],
+    pair: Pair,
 ) -> None:
-    a, b, _ = pair
+    a, b, _, impostor = pair
     tokens = prompt(3)
     text, _ = complete(a, tokens)
     with socket.socket() as silent:  # takes connections, never answers
-        silent.bind(("127.0.0.1", 0))
+        silent.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # its last test's
+        silent.bind(("127.0.0.1", impostor))
         silent.listen()
-        assert complete(b, tokens, **source(silent.getsockname()[1])) == (text, 0)
+        assert complete(b, tokens, **source(impostor)) == (text, 0)
 
 
 def forged(key: bytes) -> list[bytes]:
@@ -228,13 +274,11 @@ def serve_data(listener: socket.socket, served: list[bytes], stop: threading.Eve
 
 
 @pytest.mark.parametrize("transport", ["zmq", "data_port"])
-def test_a_source_that_serves_another_prompts_chunks_is_refused(
-    pair: tuple[Serve, Serve, int], transport: str
-) -> None:
+def test_a_source_that_serves_another_prompts_chunks_is_refused(pair: Pair, transport: str) -> None:
     """A peer of the test that says it holds everything and answers every key with a chunk
     named as asked (its checksum right) but of other tokens, over ZMQ or over a data port of
     its own: B's checks refuse each, B computes, and its answer is A's."""
-    a, b, a_port = pair
+    a, b, a_port, impostor = pair
     tokens = prompt(4 if transport == "zmq" else 5)
     text, _ = complete(a, tokens)
     with zmq.Context() as ctx, socket.socket() as listener:
@@ -247,7 +291,8 @@ def test_a_source_that_serves_another_prompts_chunks_is_refused(
         hello = msgspec.msgpack.encode([ws, rank, ns, data_port])  # A's model, as B's
         forger = ctx.socket(zmq.ROUTER)
         forger.setsockopt(zmq.LINGER, 0)
-        port = forger.bind_to_random_port("tcp://127.0.0.1")
+        port = impostor
+        forger.bind(f"tcp://127.0.0.1:{port}")
         stop = threading.Event()
         served: list[bytes] = []
 
@@ -303,12 +348,12 @@ def prefill(server: Serve, tokens: list[int]) -> dict[str, Any]:
     return params
 
 
-def test_pd_in_nixl_connectors_handshake(pair: tuple[Serve, Serve, int]) -> None:
+def test_pd_in_nixl_connectors_handshake(pair: Pair) -> None:
     """P answers `do_remote_decode` with NixlConnector's keys naming its peer port and the 4
     chunks it leased; D, given them unchanged (at once: P's stores may still be on their
     way), pulls the 4 chunks and decodes: P's own answer to the whole request. D then
     releases P's lease."""
-    a, b, a_port = pair
+    a, b, a_port, _ = pair
     tokens = prompt(7)
     released = metric(a, "kvconnect_connector_num_leases_released_total")
     params = prefill(a, tokens)
@@ -329,12 +374,12 @@ def test_pd_in_nixl_connectors_handshake(pair: tuple[Serve, Serve, int]) -> None
 
 
 def test_pd_from_a_prefill_of_another_prompt_or_a_dead_one_computes(
-    pair: tuple[Serve, Serve, int],
+    pair: Pair,
 ) -> None:
     """D given a prefill's params for another prompt names the mismatch and computes; D given
     params naming a prefill that never answers computes after its timeout. The same answer
     either way."""
-    a, b, _ = pair
+    a, b, _, impostor = pair
     tokens = prompt(8)
     text, _ = complete(a, tokens)
     other = prefill(a, prompt(9))
@@ -343,9 +388,10 @@ def test_pd_from_a_prefill_of_another_prompt_or_a_dead_one_computes(
     tokens = prompt(10)
     text, _ = complete(a, tokens)
     with socket.socket() as silent:
-        silent.bind(("127.0.0.1", 0))
+        port = impostor
+        silent.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        silent.bind(("127.0.0.1", port))
         silent.listen()
-        port = silent.getsockname()[1]
         dead = {**prefill(a, tokens), "remote_port": port}
         start = time.monotonic()
         assert complete(b, tokens, kv_transfer_params=dead) == (text, 0)
@@ -380,9 +426,9 @@ def test_pd_from_a_prefill_of_another_prompt_or_a_dead_one_computes(
     ],
 )
 def test_malformed_pd_params_are_a_400_naming_what(
-    pair: tuple[Serve, Serve, int], params: dict[str, Any], named: str
+    pair: Pair, params: dict[str, Any], named: str
 ) -> None:
-    _, b, _ = pair
+    b = pair.b
     status, body, _ = post(
         b.url + "/v1/completions",
         {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 1, "kv_transfer_params": params},
@@ -413,8 +459,8 @@ def test_every_rank_pulls_its_own_shard_and_another_tp_size_is_refused(
     tp2 = ("--tp", "2", "--distributed-executor-backend", "mp")
     details = "--enable-prompt-tokens-details"
     a = Serve(tmp_path, *tp2, "--kv-transfer-config", config(a_port), details)
-    b = Serve(tmp_path, *tp2, "--kv-transfer-config", config(free_port(2)), details)
-    c = Serve(tmp_path, "--kv-transfer-config", config(free_port()), details)
+    b = Serve(tmp_path, *tp2, "--kv-transfer-config", config(free_port(2), (a_port,)), details)
+    c = Serve(tmp_path, "--kv-transfer-config", config(free_port(), (a_port,)), details)
     servers = [a, b, c]
     try:
         for s in servers:

@@ -32,6 +32,7 @@ from typing import Annotated, Any
 
 import msgspec
 
+from kvconnect.config import KVTransferConfig
 from kvconnect.connector.events import KVEventsWorkerMetadata
 from kvconnect.connector.offload.kinds import KIND_NAMES, TierKind
 from kvconnect.events import ExternalBlockHash
@@ -114,7 +115,7 @@ MAX_PEER_SOURCES = 64
 
 class PeerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """`kv_connector_extra_config["peer"]`: this instance serves the chunks of its local tiers
-    to other instances and pulls from the one a request names into its own blocks
+    to other instances and pulls from the configured peer a request names into its own blocks
     (tiers/peer.py), in either form of `kv_transfer_params`: `remote_kv_source` {host, port},
     or a decode request's `do_remote_prefill` with the prefill instance's `remote_host` and
     `remote_port` (NixlConnector's handshake; a `do_remote_decode` request leases its chunks
@@ -124,10 +125,12 @@ class PeerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """TP rank r serves on port + r (a request names a source by its rank 0's port)."""
     host: Host = "127.0.0.1"
     """Where this instance's ranks serve: loopback by default."""
-    sources: Annotated[tuple[Host, ...], msgspec.Meta(max_length=MAX_PEER_SOURCES)] = ("127.0.0.1",)
-    """The hosts a request may name as its source, exactly as it names them; any other is
-    not contacted (the request computes its prompt), so a client cannot make this instance
-    connect where it likes."""
+    sources: Annotated[tuple[Host, ...], msgspec.Meta(max_length=MAX_PEER_SOURCES)] = ()
+    """The peers this instance may pull from, each `HOST:PORT` (its host and rank 0's peer
+    port, `[v6 address]:PORT`), exactly as requests name them: a request that names any other
+    is refused (serve: a 400 naming the key; under vLLM: logged, the prompt computed), so a
+    client cannot make this instance connect where it likes. None by default: list every
+    instance this one may pull from, a P/D decode instance its prefill instances."""
     timeout_s: Seconds = 5.0
     """A source silent for this long fails the pull: its chunks are recomputed."""
     hmac_key_file: str = ""
@@ -155,10 +158,29 @@ class PeerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                 f"peer.host={self.host!r} listens everywhere: set peer.advertise_host to the "
                 "address other instances reach this one at"
             )
+        for i, source in enumerate(self.sources):
+            parse_endpoint(source, f"peer.sources[{i}]")
 
     @property
     def reachable_host(self) -> str:
         return self.advertise_host or self.host
+
+    @property
+    def source_addrs(self) -> frozenset[tuple[str, int]]:
+        """`sources` as (host, port) pairs, as a request names them."""
+        return frozenset(parse_endpoint(s, "peer.sources") for s in self.sources)
+
+
+def parse_endpoint(text: str, what: str) -> tuple[str, int]:
+    """`HOST:PORT` (`[v6]:PORT`) as (host, port); `ValueError` naming `what` if it is not one."""
+    host, sep, port = text.rpartition(":")
+    host = host.removeprefix("[").removesuffix("]")
+    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ValueError(
+            f"{what}={text!r}: a peer is HOST:PORT, its host and rank 0's peer port (a bare "
+            "host would let a request name any port of it)"
+        )
+    return host, int(port)
 
 
 class OffloadConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -212,6 +234,28 @@ class OffloadConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         except msgspec.ValidationError as e:
             # msgspec names the field by its path from the root: `$.tiers[0].max_bytes`.
             raise ValueError(f"OffloadConnector: {e}".replace("`$.", "`")) from None
+
+
+def configured_peer(transfer: KVTransferConfig | None, block_size: int) -> PeerConfig | None:
+    """The offload connector's peer settings in `transfer` (itself, or a MultiConnector's
+    child), None without one; `ValueError` as `OffloadConfig.from_extra_config` raises it."""
+    if transfer is None:
+        return None
+    configs = [transfer.kv_connector_extra_config]
+    if transfer.kv_connector == "MultiConnector":
+        children = transfer.kv_connector_extra_config.get("connectors") or []
+        configs = [
+            c.get("kv_connector_extra_config") or {}
+            for c in children
+            if isinstance(c, dict) and c.get("kv_connector") == "OffloadConnector"
+        ]
+    elif transfer.kv_connector != "OffloadConnector":
+        return None
+    for extra in configs:
+        peer = OffloadConfig.from_extra_config(extra, block_size).peer
+        if peer is not None:
+            return peer
+    return None
 
 
 def _check_keys(where: str, given: Collection[str], valid: Collection[str]) -> None:

@@ -23,86 +23,18 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
 
 from kvconnect.connector.base import ConnectorRequest
 from kvconnect.connector.offload.common import PeerConfig
 from kvconnect.connector.offload.lookup import PrefixLookup
 from kvconnect.connector.offload.tiers.base import TierError, TierUnavailable
 from kvconnect.connector.offload.tiers.peer import PeerClient, shared_curve
+from kvconnect.transfer_params import Named, check_source, parse, source_of
 
 logger = logging.getLogger(__name__)
 
 MAX_PEERS = 16
 """Peers asked at once; the least recently asked one's lookup closes beyond this."""
-
-
-MAX_CHUNK_HASHES = 4096
-MAX_LEASE_ID = 256
-
-
-@dataclass(frozen=True)
-class Named:
-    """The peer a request names, and what a prefill instance's answer said with it."""
-
-    addr: tuple[str, int]
-    lease: str | None = None
-    """P/D: the lease to release at the source once pulled (`remote_request_id`)."""
-    chunk_hashes: tuple[bytes, ...] | None = None
-    """P/D: the last block hash of each chunk the source leased, from the first."""
-
-
-def named_source(params: dict[str, Any] | None, pd: bool = True) -> Named | None:
-    """The peer in a request's `kv_transfer_params`, in either form (checked at the HTTP
-    boundary; a caller in code, or vLLM's server, gets a ValueError naming what is wrong).
-    `do_remote_prefill` is followed only with `pd` and only from a kvconnect prefill (its
-    answer has `remote_chunk_hashes`): another connector's (NixlConnector's beside this one
-    in a MultiConnector) names a port that speaks another protocol."""
-    if not params:
-        return None
-    if params.get("do_remote_prefill"):
-        if not pd or params.get("remote_chunk_hashes") is None:
-            return None
-        addr = _addr(
-            params.get("remote_host"),
-            params.get("remote_port"),
-            "kv_transfer_params.remote_host/remote_port",
-        )
-        return Named(addr, _lease_id(params), _chunk_hashes(params["remote_chunk_hashes"]))
-    source = params.get("remote_kv_source")
-    if source is None:
-        return None
-    what = f"kv_transfer_params.remote_kv_source {source!r}"
-    if not isinstance(source, dict):
-        raise ValueError(f"{what}: needs a host and a port")
-    return Named(_addr(source.get("host"), source.get("port"), what))
-
-
-def _addr(host: Any, port: Any, what: str) -> tuple[str, int]:
-    if not isinstance(host, str) or not host or not isinstance(port, int) or not 0 < port < 65536:
-        raise ValueError(f"{what}: needs a host and a port")
-    return host, port
-
-
-def _lease_id(params: dict[str, Any]) -> str | None:
-    lease = params.get("remote_request_id")
-    if lease is not None and (
-        not isinstance(lease, str) or not 0 < len(lease) <= MAX_LEASE_ID or not lease.isascii()
-    ):
-        raise ValueError(f"kv_transfer_params.remote_request_id: 1-{MAX_LEASE_ID} ASCII characters")
-    return lease
-
-
-def _chunk_hashes(hashes: Any) -> tuple[bytes, ...]:
-    try:
-        if not isinstance(hashes, list) or len(hashes) > MAX_CHUNK_HASHES:
-            raise ValueError
-        return tuple(bytes.fromhex(h) for h in hashes)
-    except (TypeError, ValueError):
-        raise ValueError(
-            f"kv_transfer_params.remote_chunk_hashes: at most {MAX_CHUNK_HASHES} hex strings"
-        ) from None
 
 
 class PeerHolder:
@@ -166,27 +98,25 @@ class PeerSources:
         self.config = config
         self.world_size, self.namespace, self.mac_key = world_size, namespace, mac_key
         shared_curve(config.curve_secret_key_file)  # a wrong file fails at start, named
+        self.sources = config.source_addrs
         self._lookups: OrderedDict[tuple[str, int], PrefixLookup] = OrderedDict()
         self._refused: set[str] = set()
 
     def source_of(self, request: ConnectorRequest) -> Named | None:
-        """The peer `request` names, if it may be asked."""
+        """The configured peer `request` names, if any (anything else is logged once and its
+        prompt computed: vLLM's server passes kv_transfer_params on unchecked)."""
+        params = request.kv_transfer_params
+        if not params:
+            return None
         try:
-            named = named_source(request.kv_transfer_params, self.config.pd)
-        except ValueError as e:  # vLLM's server passes kv_transfer_params on unchecked
-            logger.warning("offload: request %s: %s; computing its prompt", request.request_id, e)
-            return None
-        if named is None:
-            return None
-        host = named.addr[0]
-        if host not in self.config.sources:
-            if host not in self._refused and len(self._refused) < 1024:
-                self._refused.add(host)
+            named = source_of(parse(params, strict=False), self.config.pd)
+            if named is not None:
+                check_source(named, self.sources)
+        except ValueError as e:
+            if len(self._refused) < 1024 and str(e) not in self._refused:
+                self._refused.add(str(e))
                 logger.warning(
-                    "offload: peer host %r is not in the peer config's sources %s: not "
-                    "contacted, its requests compute their prompts",
-                    host,
-                    list(self.config.sources),
+                    "offload: request %s: %s; computing its prompt", request.request_id, e
                 )
             return None
         return named

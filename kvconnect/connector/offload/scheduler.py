@@ -61,7 +61,7 @@ from kvconnect.connector.offload.common import (
 )
 from kvconnect.connector.offload.kinds import TierKind
 from kvconnect.connector.offload.lookup import PrefixLookup
-from kvconnect.connector.offload.peer_source import Named, PeerSources
+from kvconnect.connector.offload.peer_source import PeerSources
 from kvconnect.connector.offload.tiers import RemovalWatcher, TierPlacement, create_tier
 from kvconnect.connector.offload.tiers.base import read_mac_key
 from kvconnect.events import (
@@ -72,6 +72,7 @@ from kvconnect.events import (
     tier_of,
 )
 from kvconnect.hashing import request_extra_keys, to_event, to_wire
+from kvconnect.transfer_params import Named
 
 logger = logging.getLogger(__name__)
 

@@ -363,7 +363,7 @@ def test_pd_handshake_between_two_tp2_connectors(tmp_path: Path) -> None:
     curve = {"curve_secret_key_file": str(tmp_path / "peers.key_secret")}
     p_port = free_port(2)
     p = Loop(cpu, peer={"port": p_port, **curve})
-    d = Loop(cpu, peer={"port": free_port(2), **curve})
+    d = Loop(cpu, peer={"port": free_port(2), "sources": [f"127.0.0.1:{p_port}"], **curve})
     quiet = Loop(cpu, world_size=1, peer={"port": free_port(2), "pd": False})
     tokens = list(range(40, 61))  # 21 tokens: chunks 0 and 1 (16 tokens), 5 tokens left
     try:
@@ -416,8 +416,9 @@ def test_a_source_rank_that_dies_before_the_pull_makes_its_blocks_recompute(
     errors (vLLM and kvconnect's engine recompute them), logged once, not once a chunk.
     Nothing leaks on either side."""
     cpu = [{"kind": "cpu", "max_bytes": 1 << 20}]
-    p = Loop(cpu, peer={"port": free_port(2)})
-    d = Loop(cpu, peer={"port": free_port(2), "timeout_s": 0.5})
+    p_port = free_port(2)
+    p = Loop(cpu, peer={"port": p_port})
+    d = Loop(cpu, peer={"port": free_port(2), "timeout_s": 0.5, "sources": [f"127.0.0.1:{p_port}"]})
     tokens = list(range(40, 61))
     try:
         p.step([("a", tokens, p.blocks(6))])
@@ -442,13 +443,13 @@ def test_a_source_rank_that_dies_before_the_pull_makes_its_blocks_recompute(
 
 
 @contextlib.contextmanager
-def stalled_source(namespace: str) -> Iterator[tuple[int, threading.Event]]:
+def stalled_source(namespace: str, port: int) -> Iterator[tuple[int, threading.Event]]:
     """A source that says it holds every chunk asked for, then sends none: its data port
     takes a pull's requests and answers nothing until the test is done. Yields its port
     and an event set once a pull's first request has arrived."""
     router = zmq.Context.instance().socket(zmq.ROUTER)
     router.setsockopt(zmq.LINGER, 0)
-    port = router.bind_to_random_port("tcp://127.0.0.1")
+    router.bind(f"tcp://127.0.0.1:{port}")
     listener = socket.create_server(("127.0.0.1", 0))
     hello = msgspec.msgpack.encode([1, 0, namespace, listener.getsockname()[1]])
     asked, done = threading.Event(), threading.Event()
@@ -491,8 +492,17 @@ def test_a_holder_busy_pulling_from_a_stalled_source_still_serves_its_own_chunks
     the holder's own pulls: two busy instances pulling from each other waited on each other
     until both timed out and recomputed (seen as 10 s stalls in bench/placement.py)."""
     cpu = [{"kind": "cpu", "max_bytes": 1 << 20}]
-    a = Loop(cpu, world_size=1, peer={"port": free_port(1), "timeout_s": 30})
-    b = Loop(cpu, world_size=1, peer={"port": free_port(1), "timeout_s": 2})
+    a_port, stalled = free_port(1), free_port(1)
+    a = Loop(
+        cpu,
+        world_size=1,
+        peer={"port": a_port, "timeout_s": 30, "sources": [f"127.0.0.1:{stalled}"]},
+    )
+    b = Loop(
+        cpu,
+        world_size=1,
+        peer={"port": free_port(1), "timeout_s": 2, "sources": [f"127.0.0.1:{a_port}"]},
+    )
     held, other = list(range(40, 61)), list(range(100, 121))
     try:
         src = a.blocks(6)
@@ -500,7 +510,7 @@ def test_a_holder_busy_pulling_from_a_stalled_source_still_serves_its_own_chunks
         a.step()
         a_io = a.workers[0].worker
         assert a_io is not None
-        with stalled_source(a_io.namespace) as (port, asked):
+        with stalled_source(a_io.namespace, stalled) as (port, asked):
             stuck = Req("x", other, {"remote_kv_source": {"host": "127.0.0.1", "port": port}})
             stuck_blocks = a.remote_hit(stuck)
             pulling = threading.Thread(target=a.step)
