@@ -1,10 +1,11 @@
-"""Peer pulls (`tiers/peer.py`) beside a bare TCP copy of the same bytes between the same two
-processes (the limit).
+"""Peer pulls (`peers/tcp.py`, the default transport) beside a bare TCP copy of the same
+bytes between the same two processes (the limit).
 
 Prints one line: the rate at which one client pulls N chunks of SmolLM2-135M's size (30
 layers, K and V, 128 tokens, 3 KV heads of 64, fp32: 5.9 MB) from a `PeerServer` in another
 process, each checked as the connector checks it (`unpack`: checksum or HMAC, the key; then
-`mismatch`), unsigned and signed; and the rate of the same payload bytes sent with `sendall`
+`mismatch`), unsigned and signed (with the connection's key proof), all within one pull
+deadline; and the rate of the same payload bytes sent with `sendall`
 and taken with `recv_into` into one preallocated buffer over one loopback TCP connection.
 The server serialises each chunk when asked (`pack`'s parts, sent as frames without a copy,
 as a worker does); the client checks the parts in place (`unpack_parts`). Best of 3 rounds
@@ -21,8 +22,9 @@ from typing import Any
 import torch
 
 from kvconnect.connector.offload.common import ChunkInfo, chunk_key
+from kvconnect.connector.offload.peers.protocol import Deadline, Hello, Served
+from kvconnect.connector.offload.peers.tcp import TcpPeerClient, TcpPeerServer
 from kvconnect.connector.offload.tiers.base import TierPlacement, pack
-from kvconnect.connector.offload.tiers.peer import PeerClient, PeerServer
 
 SHAPE = (30, 2, 128, 3, 64)
 NUM_CHUNKS = 32
@@ -53,11 +55,12 @@ def serve(ready: Any, stop: Any, tcp_port: Any) -> None:
             found = held.get(k)
             return None if found is None else list(pack(k, *found, mac))  # type: ignore[arg-type]
 
-        servers.append(PeerServer("tcp://127.0.0.1:0", 1, 0, NS, lambda ks: len(ks), read))
+        served = Served(lambda ks: len(ks), read, lambda _: False)
+        servers.append(TcpPeerServer("127.0.0.1", 0, Hello(1, 0, NS), served, mac, 30, 64, 8))
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
     listener.listen()
-    ready.put([s.endpoint for s in servers] + [listener.getsockname()[1]])
+    ready.put([s.port for s in servers] + [listener.getsockname()[1]])
     payloads = [memoryview(data.numpy()).cast("B") for _, data in held.values()]
     while True:
         conn, _ = listener.accept()
@@ -70,13 +73,14 @@ def serve(ready: Any, stop: Any, tcp_port: Any) -> None:
         s.close()
 
 
-def pull(endpoint: str, mac: bytes | None) -> float:
+def pull(port: int, mac: bytes | None) -> float:
     placement = TierPlacement(1, 0, SHAPE, torch.float32, NS)
-    client = PeerClient(endpoint, 1, 0, NS, mac_key=mac, timeout_s=30, max_reply_bytes=64 << 20)
+    client = TcpPeerClient("127.0.0.1", port, 1, 0, NS, mac, 64 << 20)
     try:
-        client.hello()
+        client.held_prefix([key(0)], Deadline(30))  # connected and greeted, as a lookup leaves it
         start = time.perf_counter()
-        for found in client.fetch_many([(key(i), info(i)) for i in range(NUM_CHUNKS)], placement):
+        wanted = [(key(i), info(i)) for i in range(NUM_CHUNKS)]
+        for found in client.fetch_many(wanted, placement, Deadline(60)):
             assert found is not None and not isinstance(found, Exception), found
         return time.perf_counter() - start
     finally:

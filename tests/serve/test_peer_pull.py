@@ -19,7 +19,6 @@ import json
 import random
 import re
 import socket
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,7 +27,6 @@ from typing import Any, NamedTuple
 import msgspec
 import pytest
 import torch
-import zmq
 
 from kvconnect.connector.offload.common import ChunkInfo
 from kvconnect.connector.offload.tiers.base import pack
@@ -36,6 +34,7 @@ from kvconnect.events import BlockStored
 from kvconnect.router.pd import TO_PREFILL
 from kvconnect.stream.subscriber import KVEventSubscriber, ReceivedBatch
 from tests.helpers import free_port, wait_for
+from tests.peer_fakes import Reply, answer_of, fake_peer, hello_of
 from tests.serving import Serve, get, post
 
 pytestmark = pytest.mark.slow
@@ -73,22 +72,23 @@ class Pair(NamedTuple):
     b: Serve
     a_port: int
     """A's peer port: one of B's sources."""
-    impostor: int
-    """Another of B's sources, for the tests' own servers that play a peer."""
+    impostors: list[int]
+    """More of B's sources, for the tests' own servers that play a peer: one a test (B backs
+    off from a source that did not answer, for a while)."""
 
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
     tmp = tmp_path_factory.mktemp("peer-pull")
-    a_port, impostor = free_port(), free_port()
+    a_port, impostors = free_port(), [free_port() for _ in range(4)]
     details = "--enable-prompt-tokens-details"
     a = Serve(tmp, "--kv-transfer-config", config(a_port), details)
-    b = Serve(tmp, "--kv-transfer-config", config(free_port(), (a_port, impostor)), details)
+    b = Serve(tmp, "--kv-transfer-config", config(free_port(), (a_port, *impostors)), details)
     a.start()
     try:
         b.start()
         try:
-            yield Pair(a, b, a_port, impostor)
+            yield Pair(a, b, a_port, impostors)
         finally:
             assert b.stop() == 0, b.logs()
     finally:
@@ -225,7 +225,8 @@ def test_a_peer_that_is_not_configured_is_a_400_naming_the_key_and_never_contact
 def test_a_silent_source_costs_its_timeout_then_the_prompt_is_computed(
     pair: Pair,
 ) -> None:
-    a, b, _, impostor = pair
+    a, b, _, impostors = pair
+    impostor = impostors[0]
     tokens = prompt(3)
     text, _ = complete(a, tokens)
     with socket.socket() as silent:  # takes connections, never answers
@@ -241,90 +242,25 @@ def forged(key: bytes) -> list[bytes]:
     return [bytes(p) for p in pack(key.decode(), other, torch.zeros(2))]
 
 
-def serve_data(listener: socket.socket, served: list[bytes], stop: threading.Event) -> None:
-    """A data port (tiers/peer.py) that answers every key with `forged` chunks."""
-    listener.settimeout(0.05)
-    conns = []
-    while not stop.is_set():
-        try:
-            conn, _ = listener.accept()
-            conn.settimeout(0.05)
-            conns.append(conn)
-        except TimeoutError:
-            pass
-        for conn in conns:
-            try:
-                head = conn.recv(4, socket.MSG_PEEK)
-            except TimeoutError:
-                continue
-            if len(head) < 4:
-                continue
-            n = int.from_bytes(conn.recv(4), "big")
-            conn.settimeout(5)
-            key = conn.recv(n, socket.MSG_WAITALL)
-            conn.settimeout(0.05)
-            served.append(key)
-            parts = forged(key)
-            conn.sendall(
-                b"K" + bytes([len(parts)]) + b"".join(len(p).to_bytes(8, "big") for p in parts)
-            )
-            conn.sendall(b"".join(parts))
-    for conn in conns:
-        conn.close()
-
-
-@pytest.mark.parametrize("transport", ["zmq", "data_port"])
-def test_a_source_that_serves_another_prompts_chunks_is_refused(pair: Pair, transport: str) -> None:
-    """A peer of the test that says it holds everything and answers every key with a chunk
-    named as asked (its checksum right) but of other tokens, over ZMQ or over a data port of
-    its own: B's checks refuse each, B computes, and its answer is A's."""
-    a, b, a_port, impostor = pair
-    tokens = prompt(4 if transport == "zmq" else 5)
+def test_a_source_that_serves_another_prompts_chunks_is_refused(pair: Pair) -> None:
+    """A peer of the test, configured as one of B's sources, greets as A does (A's model),
+    says it holds everything and answers every key with a chunk named as asked (its checksum
+    right) but of other tokens: B's checks refuse each, B computes, and its answer is A's."""
+    a, b, a_port, impostors = pair
+    impostor = impostors[1]
+    tokens = prompt(4)
     text, _ = complete(a, tokens)
-    with zmq.Context() as ctx, socket.socket() as listener:
-        listener.bind(("127.0.0.1", 0))
-        listener.listen()
-        data_port = listener.getsockname()[1] if transport == "data_port" else 0
-        ws, rank, ns, _ = msgspec.msgpack.decode(
-            _ask(ctx, f"tcp://127.0.0.1:{a_port}", b"HELLO", b"")
-        )
-        hello = msgspec.msgpack.encode([ws, rank, ns, data_port])  # A's model, as B's
-        forger = ctx.socket(zmq.ROUTER)
-        forger.setsockopt(zmq.LINGER, 0)
-        port = impostor
-        forger.bind(f"tcp://127.0.0.1:{port}")
-        stop = threading.Event()
-        served: list[bytes] = []
+    served: list[bytes] = []
 
-        def forge() -> None:
-            while not stop.is_set():
-                if not forger.poll(50):
-                    continue
-                ident, rid, verb, arg = forger.recv_multipart()
-                if verb == b"HELLO":
-                    answer = [hello]
-                elif verb == b"HAS":
-                    answer = [msgspec.msgpack.encode(len(msgspec.msgpack.decode(arg)))]
-                else:
-                    served.append(arg)
-                    answer = [b"".join(forged(arg))]
-                forger.send_multipart([ident, rid, b"OK", *answer])
+    def forge(verb: bytes, arg: bytes) -> Reply:
+        if verb == b"S":  # HAS: all of them
+            return answer_of(msgspec.msgpack.encode(len(msgspec.msgpack.decode(arg))))
+        served.append(arg)
+        return answer_of(*forged(arg))
 
-        threads = [threading.Thread(target=forge, daemon=True)]
-        if data_port:
-            threads.append(
-                threading.Thread(target=serve_data, args=(listener, served, stop), daemon=True)
-            )
-        for t in threads:
-            t.start()
-        try:
-            refused = metric(b, "kvconnect_connector_num_peer_integrity_misses_total")
-            assert complete(b, tokens, **source(port)) == (text, 0)
-        finally:
-            stop.set()
-            for t in threads:
-                t.join(5)
-            forger.close()
+    refused = metric(b, "kvconnect_connector_num_peer_integrity_misses_total")
+    with fake_peer(forge, hello=hello_of(a_port), port=impostor):
+        assert complete(b, tokens, **source(impostor)) == (text, 0)
     assert len(served) == 4
     assert metric(b, "kvconnect_connector_num_peer_integrity_misses_total") == refused + 4
     assert "its token ids differ" in b.logs()
@@ -379,7 +315,8 @@ def test_pd_from_a_prefill_of_another_prompt_or_a_dead_one_computes(
     """D given a prefill's params for another prompt names the mismatch and computes; D given
     params naming a prefill that never answers computes after its timeout. The same answer
     either way."""
-    a, b, _, impostor = pair
+    a, b, _, impostors = pair
+    impostor = impostors[2]
     tokens = prompt(8)
     text, _ = complete(a, tokens)
     other = prefill(a, prompt(9))
@@ -435,17 +372,6 @@ def test_malformed_pd_params_are_a_400_naming_what(
     )
     assert status == 400, body
     assert named in body["error"]["message"], body
-
-
-def _ask(ctx: zmq.Context[zmq.Socket[bytes]], endpoint: str, verb: bytes, arg: bytes) -> bytes:
-    with ctx.socket(zmq.DEALER) as s:
-        s.setsockopt(zmq.LINGER, 0)
-        s.connect(endpoint)
-        s.send_multipart([b"12345678", verb, arg])
-        assert s.poll(10_000), f"{endpoint}: no answer"
-        _, status, payload = s.recv_multipart()
-        assert status == b"OK", payload
-        return payload
 
 
 @pytest.mark.heavy

@@ -111,12 +111,13 @@ class TierConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
 Host = Annotated[str, msgspec.Meta(min_length=1, max_length=253)]
 MAX_PEER_SOURCES = 64
+MibPerSecond = Annotated[float, msgspec.Meta(gt=0)]
 
 
 class PeerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """`kv_connector_extra_config["peer"]`: this instance serves the chunks of its local tiers
     to other instances and pulls from the configured peer a request names into its own blocks
-    (tiers/peer.py), in either form of `kv_transfer_params`: `remote_kv_source` {host, port},
+    (peers/), in either form of `kv_transfer_params`: `remote_kv_source` {host, port},
     or a decode request's `do_remote_prefill` with the prefill instance's `remote_host` and
     `remote_port` (NixlConnector's handshake; a `do_remote_decode` request leases its chunks
     and answers with those, leases.py)."""
@@ -132,13 +133,24 @@ class PeerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     client cannot make this instance connect where it likes. None by default: list every
     instance this one may pull from, a P/D decode instance its prefill instances."""
     timeout_s: Seconds = 5.0
-    """A source silent for this long fails the pull: its chunks are recomputed."""
+    """A source silent for this long fails the lookup or the pull: its chunks are recomputed.
+    A pull's whole deadline is this plus its bytes at `min_rate_mib_s`."""
+    min_rate_mib_s: MibPerSecond = 64.0
+    """The slowest a pull may move its chunks (MiB/s, beyond `timeout_s`): a slower source
+    fails it, so a peer that trickles bytes holds a request (and a pull thread) for a bounded
+    time only. Pulls run at 1-2 GB/s on a loopback."""
+    max_connections: Annotated[int, msgspec.Meta(ge=1, le=4096)] = 128
+    """Connections one rank's server holds at once; a new one past it closes the longest idle
+    one (one that has not proved the hmac key first), or is closed itself."""
     hmac_key_file: str = ""
-    """A file holding a secret every peer shares (mode 0600, at least 16 bytes): served chunks
-    are signed with it and pulled ones must be."""
+    """A file holding a secret every peer shares (mode 0600, at least 16 bytes): connections
+    prove it in their handshake, served chunks are signed with it and pulled ones must be.
+    Without it, a tier's `hmac_key_file` signs peer traffic too (the same deployment
+    secret), else a key derived from `curve_secret_key_file`; with none, a WARNING at start."""
     curve_secret_key_file: str = ""
     """A ZMQ certificate with its secret key (mode 0600) every peer shares: the peer sockets
-    then run CurveZMQ (encrypted; a peer without it is never answered)."""
+    then run CurveZMQ (encrypted; a peer that cannot prove that secret key completes no
+    handshake)."""
     kv_lease_duration: Seconds = 30.0
     """P/D: how long a `do_remote_decode` request's chunks stay leased (not evicted from the
     cpu tier) for the decode instance that is to pull them, unless it releases them first

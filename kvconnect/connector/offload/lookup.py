@@ -37,7 +37,7 @@ class _Question:
 
 
 class HoldsPrefix(Protocol):
-    """What is asked: a shared tier, or a peer (tiers/peer.py)."""
+    """What is asked: a shared tier, or a peer (peers/sources.py)."""
 
     def num_held_prefix(self, chunks: Sequence[Sequence[str]]) -> int: ...
 

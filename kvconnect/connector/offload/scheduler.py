@@ -4,8 +4,8 @@ What the instance's own tiers hold is learned from the events the workers report
 metadata, after the quorum: a chunk counts as held once every rank announced it (BlockStored)
 in some local tier and none took it back (BlockRemoved). A shared tier is asked directly, off
 the step thread (`lookup.PrefixLookup`): the request waits a step for the answer. So is the
-peer a request names in `kv_transfer_params.remote_kv_source` (`peer_source.py`), for the
-chunks that neither holds: the workers then pull those from it.
+configured peer a request names in `kv_transfer_params` (`peers/sources.py`), for the chunks
+that neither holds: the workers then pull those from it.
 
     get_num_new_matched_tokens   whole chunks from the start that are held, up to the last
                                  prompt token (which must be computed): an async load;
@@ -61,9 +61,9 @@ from kvconnect.connector.offload.common import (
 )
 from kvconnect.connector.offload.kinds import TierKind
 from kvconnect.connector.offload.lookup import PrefixLookup
-from kvconnect.connector.offload.peer_source import PeerSources
+from kvconnect.connector.offload.peers.sources import PeerSources
+from kvconnect.connector.offload.peers.transport import PeerKeys
 from kvconnect.connector.offload.tiers import RemovalWatcher, TierPlacement, create_tier
-from kvconnect.connector.offload.tiers.base import read_mac_key
 from kvconnect.events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -158,8 +158,8 @@ class OffloadScheduler:
             )
         self.peers: PeerSources | None = None
         if config.peer is not None:
-            mac = read_mac_key(config.peer.hmac_key_file) if config.peer.hmac_key_file else None
-            self.peers = PeerSources(config.peer, context.world_size, self.namespace, mac)
+            keys = PeerKeys.from_config(config)  # a wrong key file fails the start, named
+            self.peers = PeerSources(config.peer, context.world_size, self.namespace, keys)
         # Chunks saved while a watcher runs: wire last hash -> raw, until their shared store
         # is released (the watcher follows keys, which name the raw hash).
         self._raw_by_wire: OrderedDict[int | bytes, bytes] = OrderedDict()

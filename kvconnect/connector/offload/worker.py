@@ -1,18 +1,30 @@
 """Worker half of the offload connector: copies chunks out of the paged cache, stores and loads
-them in the tiers on a background I/O thread, and reports every store and eviction as an event.
+them in the tiers off the step thread, and reports every store and eviction as an event.
 
-Per step (worker thread):
+Per step (the step thread):
   handle_preemptions  the step's compute stream waits for the copies that still read blocks
                   (a device cache; device.py has the rules)
-  start_load_kv   queue the step's loads (the I/O thread serves loads before stores)
+  start_load_kv   loads wholly from the cpu tier run now (host memory copies: a few ms,
+                  before the forward that computes the prompts' rest); the others are queued
   wait_for_save   copy each chunk to save out of the paged cache (so the engine may reuse its
                   blocks) and queue it; a full queue drops the store (counted)
   get_finished    requests whose loads completed; get_block_ids_with_load_errors: what failed
   build_connector_worker_meta   the events since the last step, under this rank
 
-I/O thread: a store goes to the first local tier (cpu or disk); what that tier evicts is demoted
-to the next local tier, or dropped; every redis tier gets the chunk too (shared, write-through).
-A load looks in the tiers in order; a hit below the first local tier is promoted into it.
+Threads. The step thread never waits on another thread's I/O: a load it runs touches the cpu
+tier only, under that tier's lock.
+- The I/O thread: stores, loads from this instance's tiers, resets. A store goes to the first
+  local tier (cpu or disk); what that tier evicts is demoted to the next local tier, or
+  dropped; every redis tier gets the chunk too (shared, write-through). A load looks in the
+  tiers in order; a hit below the first local tier is promoted into it.
+- PULL_THREADS pull threads: loads that pull from a peer (peers/side.py), each bounded by its
+  deadline, so a slow or hostile source holds one of them, never the stores or other loads.
+- The peer server's threads serve this rank's chunks to other instances (`_serve_read`).
+Each local tier has a lock, held for every call into it but `contains` and for as long as
+anyone copies out of its memory (a cpu slot read is never overwritten by another thread's
+store meanwhile); a shared tier is called without one. `_lock` guards the counters, events
+and queues; no tier lock is taken while holding it.
+
 The cache is read through `layout.PagedKV` (any layout, one gather and one scatter) and
 copied with `device.DeviceOps` (synchronous for a host cache; a stream, events and pinned
 buffers for CUDA): a load is reported finished only after its copy into the cache is done.
@@ -29,11 +41,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,6 +66,9 @@ from kvconnect.connector.offload.device import DeviceOps, Stream, device_ops_for
 from kvconnect.connector.offload.kinds import TierKind
 from kvconnect.connector.offload.layout import PagedKV, from_kv_planes
 from kvconnect.connector.offload.leases import Leases
+from kvconnect.connector.offload.peers.protocol import Served
+from kvconnect.connector.offload.peers.side import PeerSide
+from kvconnect.connector.offload.peers.transport import PeerKeys
 from kvconnect.connector.offload.tiers import TierPlacement, create_tier
 from kvconnect.connector.offload.tiers.base import (
     Evicted,
@@ -66,19 +80,14 @@ from kvconnect.connector.offload.tiers.base import (
     TierUnavailable,
     mismatch,
     pack,
-    read_mac_key,
 )
 from kvconnect.connector.offload.tiers.cpu import CpuTier
-from kvconnect.connector.offload.tiers.peer import (
-    REPLY_SLACK,
-    PeerClient,
-    PeerServer,
-    RecvBuffers,
-    shared_curve,
-)
 from kvconnect.events import BlockRemoved, BlockStored, KVCacheEvent
 
 logger = logging.getLogger(__name__)
+
+PULL_THREADS = 2
+"""Loads that pull from peers at once (each its own source's connection and buffers)."""
 
 
 def stored_event(info: ChunkInfo, kind: TierKind) -> BlockStored:
@@ -152,16 +161,12 @@ class OffloadWorker:
         )
         self.tiers: list[Tier] = []
         self._local: list[int] = []  # indices of the local tiers (cpu, disk), in order
+        self._locks: list[contextlib.AbstractContextManager[Any]] = []  # per tier (`_guard`)
         self.placement = TierPlacement(context.world_size, self.rank, namespace=self.namespace)
         self.paged: PagedKV | None = None
         self.device_ops = device_ops
         self._unfenced: list[Any] = []  # copies that read blocks, not yet waited for by compute
-        self._lock = threading.Lock()  # guards the fields the I/O thread shares with the step
-        # Held for every call into a local tier but `contains`: by the I/O thread, and by a
-        # peer's read on its server's thread (never queued behind the I/O thread's jobs: two
-        # instances pulling from each other waited on each other until both timed out).
-        # Never taken while holding `_lock`.
-        self._tiers_lock = threading.RLock()
+        self._lock = threading.Lock()  # guards what the threads share with the step
         self._events: list[KVCacheEvent] = []
         self._finished_loads: set[str] = set()
         self._finished_saves: set[str] = set()  # step thread only
@@ -170,21 +175,19 @@ class OffloadWorker:
         self._cond = threading.Condition(self._lock)
         self._loads: deque[LoadJob] = deque()
         self._stores: deque[StoreJob] = deque()
+        self._pulls: deque[LoadJob] = deque()
         self._storing: Counter[str] = Counter()  # keys of the store jobs queued or running
         self.leases = Leases()
-        self.peer_server: PeerServer | None = None
-        self._peer_clients: dict[tuple[str, int], PeerClient] = {}
-        self._recv_buffers: RecvBuffers | None = None
-        peer = config.peer
-        self._peer_mac = read_mac_key(peer.hmac_key_file) if peer and peer.hmac_key_file else None
-        self._peer_curve = shared_curve(peer.curve_secret_key_file) if peer else None
+        self.peers: PeerSide | None = None
+        self.peer_keys = PeerKeys.from_config(config)  # a wrong key file fails the start
         self._written_shared: set[str] = set()  # keys this rank put in shared tiers
         self._resets = 0
-        self._busy = False
+        self._busy = False  # the I/O thread runs a job
+        self._pulling = 0  # pull threads running a job
         self._reported_pending = 0
         self.metadata_class = metadata_class
         self._stop = False
-        self._thread: threading.Thread | None = None
+        self._threads: list[threading.Thread] = []
 
     # -- setup ------------------------------------------------------------------------------
 
@@ -217,6 +220,9 @@ class OffloadWorker:
             except TierTooSmall as e:  # the chunk size is known only here, with the cache
                 logger.warning("offload: %s; running without that tier", e)
         self._local = [i for i, t in enumerate(self.tiers) if not t.shared]
+        self._locks = [
+            contextlib.nullcontext() if t.shared else threading.RLock() for t in self.tiers
+        ]
         for i, tier in enumerate(self.tiers):
             if isinstance(tier, CpuTier):
                 tier.leased = self.leases.__contains__
@@ -226,28 +232,30 @@ class OffloadWorker:
         for tier in self.tiers:
             for _, info in tier.entries():  # found again after a restart
                 self._events.append(stored_event(info, tier.kind))
-        self._thread = threading.Thread(target=self._io_loop, name="kv-offload-io", daemon=True)
-        self._thread.start()
+        lanes = [("kv-offload-io", self._io_loop)]
         peer = self.config.peer
         if peer is not None:
-            # made now: populating them costs the first pull nothing
-            numel = math.prod(self.placement.chunk_shape)
-            self._recv_buffers = RecvBuffers(numel * self.placement.dtype.itemsize)
-            self.peer_server = PeerServer(
-                f"tcp://{peer.host}:{peer.port + self.rank}",
-                self.context.world_size,
-                self.rank,
-                self.namespace,
-                held=self._held_prefix,
-                read=self._serve_read,
-                release=self._release_lease,
-                curve=self._peer_curve[0] if self._peer_curve else None,
-                settling=self._settling,
-                settle_s=peer.timeout_s / 2,
+            served = Served(
+                self._held_prefix,
+                self._serve_read,
+                self._release_lease,
+                self._settling,
+                peer.timeout_s / 2,
             )
+            self.peers = PeerSide(peer, self.peer_keys, placement, self.namespace, served)
+            lanes += [(f"kv-offload-pull-{i}", self._pull_loop) for i in range(PULL_THREADS)]
+        for name, loop in lanes:
+            thread = threading.Thread(target=loop, name=name, daemon=True)
+            thread.start()
+            self._threads.append(thread)
 
     def _key(self, info: ChunkInfo) -> str:
         return chunk_key(self.namespace, self.context.world_size, self.rank, info.last_block_hash)
+
+    def _guard(self, index: int) -> contextlib.AbstractContextManager[Any]:
+        """What a call into tier `index` holds: its own lock for a local tier; nothing for a
+        shared one (a round trip must not hold up a peer)."""
+        return self._locks[index]
 
     # -- step ---------------------------------------------------------------------------------
 
@@ -261,22 +269,22 @@ class OffloadWorker:
         self._unfenced.clear()
 
     def start_load_kv(self, meta: OffloadMetadata) -> None:
-        """Queue the step's loads for the I/O thread (first in its queue); return once the
-        sync ones are done (their blocks are computed in this step's forward)."""
+        """Run the step's loads wholly from the cpu tier now (their blocks are computed in this
+        step's forward); queue the others: from peers for the pull threads, the rest for the
+        I/O thread (first in its queue)."""
         ready = self._ops().record(Stream.COMPUTE) if meta.loads else None
         self._lease(meta)
-        sync = {spec.request_id: spec for spec in meta.loads if spec.sync}
         with self._cond:
             if meta.reset:
                 self._resets += 1
-            self._loads.extend(LoadJob(spec, ready) for spec in meta.loads)
-            self._cond.notify()
-            if sync:  # the I/O thread notifies as each load finishes (or fails: then counted)
-                self._cond.wait_for(lambda: sync.keys() <= self._finished_loads or self._stop)
-                for rid, spec in sync.items():  # stopped first: the blocks are not loaded
-                    if rid not in self._finished_loads:
-                        self._load_errors.update(b for ids in spec.block_ids for b in ids)
-                self._finished_loads -= sync.keys()  # done in this step: not reported as async
+            for spec in meta.loads:
+                if not spec.sync:
+                    lane = self._loads if spec.source is None else self._pulls
+                    lane.append(LoadJob(spec, ready))
+            self._cond.notify_all()
+        for spec in meta.loads:
+            if spec.sync:
+                self._load_now(LoadJob(spec, ready))
 
     def _ops(self) -> DeviceOps:
         if self.device_ops is None:
@@ -306,7 +314,7 @@ class OffloadWorker:
             with self._cond:
                 self._stores.append(job)
                 self._storing[key] += 1
-                self._cond.notify()
+                self._cond.notify_all()
         # Copied out (or on the copy stream, which the next step's compute waits for: see
         # handle_preemptions): the blocks may go.
         self._finished_saves.update(meta.finished_saves)
@@ -349,11 +357,16 @@ class OffloadWorker:
         is not zero or has just become zero)."""
         with self._lock:
             events, self._events = self._events, []
-            pending = len(self._loads) + len(self._stores) + self._busy + self._resets
+            pending = self._num_pending()
         if not events and pending == self._reported_pending == 0:
             return None
         self._reported_pending = pending
         return self.metadata_class({self.rank: events}, {self.rank: pending})
+
+    def _num_pending(self) -> int:
+        """Jobs queued or running, on every lane (under `_lock`)."""
+        queued = len(self._loads) + len(self._stores) + len(self._pulls) + self._resets
+        return queued + self._busy + self._pulling
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         with self._lock:
@@ -364,48 +377,42 @@ class OffloadWorker:
         self._stats[name] = self._stats.get(name, 0) + n
 
     def drain(self, timeout: float = 10.0) -> bool:
-        """Wait until the I/O thread is idle (tests and shutdown)."""
+        """Wait until every lane is idle (tests and shutdown)."""
         with self._cond:
-            return self._cond.wait_for(
-                lambda: not (self._loads or self._stores or self._busy or self._resets),
-                timeout,
-            )
+            return self._cond.wait_for(lambda: not self._num_pending(), timeout)
 
     def shutdown(self) -> None:
-        if self.peer_server is not None:  # first: no peer's read is queued after this
-            self.peer_server.close()
+        if self.peers is not None:  # first: no peer's read is queued after this
+            self.peers.server.close()
         self.drain(timeout=5.0)
         with self._cond:
             self._stop = True
             self._cond.notify_all()
-        if self._thread is not None:
-            self._thread.join(timeout=5.0)
-        for client in self._peer_clients.values():  # the I/O thread's, now that it is done
-            client.close()
-        with self._tiers_lock:  # a peer's read still in flight finishes first
+        for thread in self._threads:
+            thread.join(timeout=5.0)
+        if self.peers is not None:  # the pull threads' clients, now that they are done
+            self.peers.close()
+        with contextlib.ExitStack() as held:  # a peer's read still in flight finishes first
+            for lock in self._locks:
+                held.enter_context(lock)
             for tier in self.tiers:
                 tier.close()
 
-    # -- I/O thread ---------------------------------------------------------------------------
+    # -- the lanes ----------------------------------------------------------------------------
 
     def _io_loop(self) -> None:
         while (job := self._next_job()) is not None:
             try:
                 self._run(job)
             except Exception:  # the thread must survive anything a tier does
-                logger.exception("offload I/O job failed")
-                with self._lock:
-                    self._count("num_errors")
-                    if isinstance(job, LoadJob):
-                        self._finished_loads.add(job.spec.request_id)
-                        self._load_errors.update(b for ids in job.spec.block_ids for b in ids)
+                self._job_failed(job)
             finally:
                 with self._cond:
                     self._busy = False
                     self._cond.notify_all()
 
     def _next_job(self) -> IoJob | None:
-        """Wait for the next job and mark the thread busy with it; None once stopped."""
+        """Wait for the I/O thread's next job and mark it busy with it; None once stopped."""
         with self._cond:
             self._cond.wait_for(lambda: self._stop or self._loads or self._stores or self._resets)
             if self._stop:
@@ -415,6 +422,31 @@ class OffloadWorker:
                 self._resets -= 1
                 return ResetJob()
             return self._loads.popleft() if self._loads else self._stores.popleft()
+
+    def _pull_loop(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._stop or bool(self._pulls))
+                if self._stop:
+                    return
+                job = self._pulls.popleft()
+                self._pulling += 1
+            try:
+                self._load(job)
+            except Exception:  # the thread must survive anything a peer sends
+                self._job_failed(job)
+            finally:
+                with self._cond:
+                    self._pulling -= 1
+                    self._cond.notify_all()
+
+    def _job_failed(self, job: IoJob) -> None:
+        logger.exception("offload I/O job failed")
+        with self._lock:
+            self._count("num_errors")
+            if isinstance(job, LoadJob):
+                self._finished_loads.add(job.spec.request_id)
+                self._load_errors.update(b for ids in job.spec.block_ids for b in ids)
 
     def _run(self, job: IoJob) -> None:
         if isinstance(job, ResetJob):
@@ -436,6 +468,8 @@ class OffloadWorker:
         with self._lock:
             self._events.extend(events)
 
+    # -- stores -------------------------------------------------------------------------------
+
     def _store(self, key: str, info: ChunkInfo, data: torch.Tensor) -> None:
         local = self._local
         if local:
@@ -454,7 +488,7 @@ class OffloadWorker:
         # A shared tier is written through: asking it first cost a round trip (and, with the
         # server hung, a timeout) whose answer was not used.
         try:
-            with self._guard(tier):
+            with self._guard(index):
                 if not tier.shared and tier.contains(key):
                     return
                 evicted = tier.put(key, info, data)
@@ -480,133 +514,186 @@ class OffloadWorker:
             if below is not None and ev.data is not None:
                 self._put(below, ev.key, ev.info, ev.data)
 
-    def _load(self, job: LoadJob) -> None:
-        spec, ops, paged = job.spec, self._ops(), self.paged
-        assert paged is not None, "register_kv_caches first"
-        bs = self.context.block_size
+    # -- loads --------------------------------------------------------------------------------
+
+    def _load_now(self, job: LoadJob) -> None:
+        """A load wholly from the cpu tier, on the step thread, before the forward: the tier's
+        lock is held while its slots are copied out, so no store overwrites them meanwhile.
+        A chunk gone since the scheduler planned it is a load error (recomputed), as is every
+        chunk once the worker is shut down (its tiers are closed)."""
+        cpu = next((i for i in self._local if isinstance(self.tiers[i], CpuTier)), None)
         failed: set[int] = set()
+        if cpu is None or self._stop:
+            failed = {b for ids in job.spec.block_ids for b in ids}
+        else:
+            with self._guard(cpu):
+                failed = self._scatter_all(
+                    job, lambda _, key, info, use: self._fetch_from(cpu, key, info, use)
+                )
+        with self._lock:
+            self._count("num_chunks_loaded", len(job.spec.chunks))
+            if failed:
+                self._count("num_load_errors")
+                self._load_errors |= failed
+
+    def _load(self, job: LoadJob) -> None:
+        """A queued load (the I/O thread's, or a pull thread's when it names a source): the
+        chunks from this instance's tiers, then those pulled from the source; reported
+        finished once the blocks hold the KV."""
+        spec = job.spec
         pulled = None
         if spec.source is not None:
-            pulled = self._pulled(spec.source, spec.chunks[spec.from_source :])
-        with ops.on_copy_stream():
-            ops.wait(Stream.COPY, job.ready)  # the blocks' last reader is done with them
-            for k, (info, block_ids, first) in enumerate(
-                zip(spec.chunks, spec.block_ids, spec.first_block, strict=True)
-            ):
-                if pulled is not None and k >= spec.from_source:
-                    data = next(pulled)
-                else:
-                    data = self._fetch(self._key(info), info)
+            assert self.peers is not None, "a pull planned without a peer config"
+            wanted = [(self._key(info), info) for info in spec.chunks[spec.from_source :]]
+            pulled = self.peers.pull(spec.source, wanted, _PullInto(self))
+
+        def chunk(k: int, key: str, info: ChunkInfo, use: Callable[[torch.Tensor], None]) -> bool:
+            if pulled is not None and k >= spec.from_source:
+                data = next(pulled)
                 if data is None:
-                    failed.update(block_ids[first:])
-                    continue
-                # a last chunk may be partial: only its blocks that the request holds
-                part = ops.to_device(data[:, :, first * bs : len(block_ids) * bs], paged.device)
-                paged.scatter(block_ids[first:], part)
-            copied = ops.record(Stream.COPY)
-        ops.synchronize(copied)  # finished only once the blocks hold the KV
+                    return False
+                use(data)  # before the next chunk is read into the buffers or committed
+                return True
+            return self._fetch(key, info, use)
+
+        try:
+            failed = self._scatter_all(job, chunk)
+            for _ in pulled or ():  # past the last chunk's use: it is kept (committed)
+                pass
+        finally:
+            if pulled is not None:
+                pulled.close()
         with self._lock:
             self._count("num_chunks_loaded", len(spec.chunks))
             if failed:
                 self._count("num_load_errors")
                 self._load_errors |= failed
             self._finished_loads.add(spec.request_id)
-        if spec.source is not None and spec.lease is not None:
-            try:  # after the load is reported: the request does not wait for this
-                self._peer_client(spec.source).release(spec.lease)
-            except TierError as e:  # the lease then expires at the source
-                logger.info("offload: peer %s:%d: release of %r: %s", *spec.source, spec.lease, e)
+            self._cond.notify_all()
+        if spec.source is not None and spec.lease is not None and self.peers is not None:
+            self.peers.release(spec.source, spec.lease)  # after the load is reported
 
-    def _fetch(self, key: str, info: ChunkInfo) -> torch.Tensor | None:
-        local = self._local
-        for i, tier in enumerate(self.tiers):
-            found = self._checked(tier, key, info)
-            if found is None:
-                continue
-            data = found.data
-            with self._lock:
-                self._count(f"{tier.kind}_hits")
-                self._count(f"{tier.kind}_bytes_loaded", data.numel() * data.element_size())
-            if local and i != local[0]:  # a hit further down moves up
-                self._put(local[0], key, info, data.clone())
-            return data
+    def _scatter_all(
+        self,
+        job: LoadJob,
+        chunk: Callable[[int, str, ChunkInfo, Callable[[torch.Tensor], None]], bool],
+    ) -> set[int]:
+        """Each of the job's chunks, got by `chunk(k, key, info, use)` (which calls `use` on its
+        data while that is safe to read), scattered into its blocks; the blocks of those not
+        got. Returns once the copies are done."""
+        spec, ops, paged = job.spec, self._ops(), self.paged
+        assert paged is not None, "register_kv_caches first"
+        bs = self.context.block_size
+        failed: set[int] = set()
+        with ops.on_copy_stream():
+            ops.wait(Stream.COPY, job.ready)  # the blocks' last reader is done with them
+            for k, (info, block_ids, first) in enumerate(
+                zip(spec.chunks, spec.block_ids, spec.first_block, strict=True)
+            ):
+
+                def scatter(data: torch.Tensor, ids: list[int] = block_ids, f: int = first) -> None:
+                    # a last chunk may be partial: only its blocks that the request holds
+                    part = ops.to_device(data[:, :, f * bs : len(ids) * bs], paged.device)
+                    paged.scatter(ids[f:], part)
+
+                if not chunk(k, self._key(info), info, scatter):
+                    failed.update(block_ids[first:])
+            copied = ops.record(Stream.COPY)
+        ops.synchronize(copied)  # finished only once the blocks hold the KV
+        return failed
+
+    def _fetch(self, key: str, info: ChunkInfo, use: Callable[[torch.Tensor], None]) -> bool:
+        """Chunk `key` from the first tier that holds it, `use`d while its tier's lock is held;
+        a hit below the first local tier moves up. Whether any tier held it."""
+        for i in range(len(self.tiers)):
+            if self._fetch_from(i, key, info, use):
+                return True
         logger.warning("offload: chunk %s found in no tier", key)
+        return False
+
+    def _fetch_from(
+        self, index: int, key: str, info: ChunkInfo, use: Callable[[torch.Tensor], None]
+    ) -> bool:
+        local, tier = self._local, self.tiers[index]
+        promoted = None
+        with self._guard(index):
+            found = self._checked(index, key, info)
+            if found is None:
+                return False
+            data = found.data
+            use(data)
+            if local and index != local[0]:  # a hit further down moves up
+                promoted = data.clone()
+        with self._lock:
+            self._count(f"{tier.kind}_hits")
+            self._count(f"{tier.kind}_bytes_loaded", data.numel() * data.element_size())
+        if promoted is not None:
+            self._put(local[0], key, info, promoted)
+        return True
+
+    def _checked(self, index: int, key: str, info: ChunkInfo) -> StoredChunk | None:
+        """Tier `index`'s entry for `key` if it is the chunk `info` describes; None otherwise
+        (absent, unreadable, or another chunk: then dropped from a local tier and
+        announced)."""
+        tier = self.tiers[index]
+        try:
+            with self._guard(index):
+                found = tier.load(key)
+        except IntegrityError as e:
+            self._integrity_miss(index, key, info, str(e), dropped=True)
+            return None
+        except TierError as e:
+            self._tier_failed(tier, e)
+            if not tier.shared:  # the bad entry is gone from the tier
+                self._emit(removed_event(info, tier.kind))
+            return None
+        if found is None:
+            return None
+        why = mismatch(info, found, self.placement)
+        if why is None:
+            return found
+        self._integrity_miss(index, key, info, f"chunk {key}: {why}", dropped=False)
         return None
 
-    # -- peers ------------------------------------------------------------------------------
+    def _tier_failed(self, tier: Tier, e: TierError) -> None:
+        """Count a failed put or load in `num_<kind>_errors`, and a fast failure (the tier
+        backing off, nothing tried) also in `num_<kind>_fast_failures`: logged only at debug
+        level, as the tier logged the failure that started the back-off."""
+        fast = isinstance(e, TierUnavailable)
+        logger.log(logging.DEBUG if fast else logging.WARNING, "offload: %s", e)
+        with self._lock:
+            self._count(f"num_{tier.kind}_errors")
+            if fast:
+                self._count(f"num_{tier.kind}_fast_failures")
 
-    def _pulled(
-        self, source: tuple[str, int], chunks: list[ChunkInfo]
-    ) -> Iterator[torch.Tensor | None]:
-        """`chunks` from this rank's counterpart at `source` (rank r serves on port + r), in
-        order, a few requests ahead (`PeerClient.fetch_many`), each checked as a shared tier's
-        entry is (its key, checksum or signature, then `mismatch`) and kept in the first local
-        tier, which announces it. None for one that failed: it is recomputed (counted,
-        logged). A whole chunk is received straight into a cpu tier's slot, which holds it
-        once it has passed the checks (no copy); others land in the receive buffers."""
-        client = self._peer_client(source)
-        wanted = [(self._key(info), info) for info in chunks]
-        local = self._local
-        sink = _IntoCpuTier(self, local[0]) if local else None
-        # each chunk is kept and scattered before two more are read into the buffers
-        pulls = client.fetch_many(wanted, self.placement, sink or self._recv_buffers)
-        logged: TierError | None = None  # a source that stops answering: one line, not one a chunk
-        try:
-            for (key, info), got in zip(wanted, pulls, strict=True):
-                slot = sink.reserved.pop(key, None) if sink is not None else None
-                if isinstance(got, StoredChunk):
-                    data = got.data
-                    with self._lock:
-                        self._count("peer_hits")
-                        self._count("peer_bytes_loaded", data.numel() * data.element_size())
-                    if sink is not None and slot is not None:
-                        sink.commit(slot, key, info, data)
-                    elif local:
-                        self._put(local[0], key, info, data)
-                    yield data
-                    continue
-                if sink is not None and slot is not None:
-                    sink.unreserve(slot)
-                if isinstance(got, IntegrityError):
-                    logger.warning("offload: peer %s:%d: integrity miss: %s", *source, got)
-                    with self._lock:
-                        self._count("num_integrity_misses")
-                        self._count("num_peer_integrity_misses")
-                elif isinstance(got, TierError):
-                    if got is not logged:
-                        logger.warning("offload: peer %s:%d: %s", *source, got)
-                        logged = got
-                    with self._lock:
-                        self._count("num_peer_errors")
-                else:
-                    with self._lock:
-                        self._count("num_peer_misses")
-                yield None
-        finally:
-            pulls.close()
-            if sink is not None:  # a pull abandoned half-way: its slots go back
-                for slot in sink.reserved.values():
-                    sink.unreserve(slot)
+    def _integrity_miss(
+        self, index: int, key: str, info: ChunkInfo, why: str, dropped: bool
+    ) -> None:
+        """An entry that is not the chunk asked for: a miss, counted and logged; a local tier
+        loses it (announced: BlockRemoved of what it had announced), a shared tier is only
+        written again by this rank's next save of the chunk."""
+        tier = self.tiers[index]
+        logger.warning("offload: %s tier: integrity miss: %s", tier.kind, why)
+        with self._lock:
+            self._count("num_integrity_misses")
+            self._count(f"num_{tier.kind}_integrity_misses")
+            if tier.shared:
+                self._written_shared.discard(key)
+        if not tier.shared:
+            with self._guard(index):
+                held = info if dropped else tier.remove(key)
+            if held is not None:
+                self._emit(removed_event(held, tier.kind))
 
-    def _peer_client(self, source: tuple[str, int]) -> PeerClient:
-        client = self._peer_clients.get(source)
-        if client is None:
-            peer = self.config.peer
-            assert peer is not None, "a pull planned without a peer config"
-            if len(self._peer_clients) >= 16:  # the oldest goes
-                self._peer_clients.pop(next(iter(self._peer_clients))).close()
-            numel = math.prod(self.placement.chunk_shape)
-            client = self._peer_clients[source] = PeerClient(
-                f"tcp://{source[0]}:{source[1] + self.rank}",
-                self.context.world_size,
-                self.rank,
-                self.namespace,
-                mac_key=self._peer_mac,
-                timeout_s=peer.timeout_s,
-                max_reply_bytes=numel * self.placement.dtype.itemsize + REPLY_SLACK,
-                curve=self._peer_curve[1] if self._peer_curve else None,
-            )
-        return client
+    def _reset(self) -> None:
+        """Empty the local tiers, announcing exactly what each dropped (a shared tier is not
+        ours to empty), so a router keeps what the engine itself still holds."""
+        for i, tier in enumerate(self.tiers):
+            with self._guard(i):
+                dropped = tier.clear()
+            self._emit(*(removed_event(info, tier.kind) for _, info in dropped))
+
+    # -- serving peers (the peer server's threads) and leases (P/D) -----------------------------
 
     def _lease(self, meta: OffloadMetadata) -> None:
         """Grant the step's leases (P/D) on this rank's keys of their chunks; end the ones
@@ -629,7 +716,7 @@ class OffloadWorker:
                 self._count("num_leases_expired", expired)
 
     def _release_lease(self, lease_id: str) -> bool:
-        """For a peer (its server's thread): a decode instance has pulled what it leased."""
+        """A decode instance has pulled what it leased."""
         released = self.leases.release(lease_id)
         if released:
             with self._lock:
@@ -637,9 +724,9 @@ class OffloadWorker:
         return released
 
     def _held_prefix(self, keys: list[str]) -> int:
-        """For a peer (its server's thread): how many of `keys`, from the first, a local tier
-        holds (`contains` may be called from any thread). The server asks once none of them
-        is `_settling`, or half the peer timeout later."""
+        """How many of `keys`, from the first, a local tier holds (`contains` may be called
+        from any thread). The server asks once none of them is `_settling`, or half the peer
+        timeout later."""
         local = [self.tiers[i] for i in self._local]
         num = 0
         while num < len(keys) and any(t.contains(keys[num]) for t in local):
@@ -647,21 +734,21 @@ class OffloadWorker:
         return num
 
     def _settling(self, keys: list[str]) -> bool:
-        """For a peer (its server's thread): whether a chunk of `keys` is on its way to a
-        tier (its store queued: the request that computed it may have answered already, as a
-        P/D prefill does at once)."""
+        """Whether a chunk of `keys` is on its way to a tier (its store queued: the request
+        that computed it may have answered already, as a P/D prefill does at once)."""
         with self._lock:
             return any(k in self._storing for k in keys)
 
     def _serve_read(self, key: str) -> list[Any] | None:
-        """For a peer (its server's threads): chunk `key` serialised, `pack`'s parts, or None
-        if no local tier holds it. The payload is a view of the tier's own memory (sent
-        without a copy), its checksum taken under the tiers' lock, so no store writes the
-        slot meanwhile. Should a later store reuse a cpu slot while its bytes are still being
-        sent, the peer receives bytes that do not match that checksum (or signature) and
-        refuses the chunk: a recompute, never wrong KV."""
-        with self._tiers_lock:
-            for i in self._local:
+        """Chunk `key` serialised, `pack`'s parts, or None if no local tier holds it. The
+        payload is a view of the tier's own memory (sent without a copy), its checksum taken
+        under the tier's lock, so no store writes the slot meanwhile. Should a later store
+        reuse a cpu slot while its bytes are still being sent, the peer receives bytes that
+        do not match that checksum (or signature) and refuses the chunk: a recompute, never
+        wrong KV."""
+        mac = self.peer_keys.mac
+        for i in self._local:
+            with self._guard(i):
                 try:
                     found = self.tiers[i].load(key)
                 except TierError:
@@ -669,114 +756,59 @@ class OffloadWorker:
                 if found is not None:
                     with self._lock:
                         self._count("peer_chunks_served")
-                    return list(pack(key, found.info, found.data, self._peer_mac))
+                    return list(pack(key, found.info, found.data, mac))
         return None
 
-    def _checked(self, tier: Tier, key: str, info: ChunkInfo) -> StoredChunk | None:
-        """`tier`'s entry for `key` if it is the chunk `info` describes; None otherwise (absent,
-        unreadable, or another chunk: then dropped from a local tier and announced)."""
-        try:
-            with self._guard(tier):
-                found = tier.load(key)
-        except IntegrityError as e:
-            self._integrity_miss(tier, key, info, str(e), dropped=True)
-            return None
-        except TierError as e:
-            self._tier_failed(tier, e)
-            if not tier.shared:  # the bad entry is gone from the tier
-                self._emit(removed_event(info, tier.kind))
-            return None
-        if found is None:
-            return None
-        why = mismatch(info, found, self.placement)
-        if why is None:
-            return found
-        self._integrity_miss(tier, key, info, f"chunk {key}: {why}", dropped=False)
-        return None
 
-    def _tier_failed(self, tier: Tier, e: TierError) -> None:
-        """Count a failed put or load in `num_<kind>_errors`, and a fast failure (the tier
-        backing off, nothing tried) also in `num_<kind>_fast_failures`: logged only at debug
-        level, as the tier logged the failure that started the back-off."""
-        fast = isinstance(e, TierUnavailable)
-        logger.log(logging.DEBUG if fast else logging.WARNING, "offload: %s", e)
-        with self._lock:
-            self._count(f"num_{tier.kind}_errors")
-            if fast:
-                self._count(f"num_{tier.kind}_fast_failures")
+class _PullInto:
+    """Where one load's pulled chunks go (`peers.side.PullTarget`): a whole chunk is received
+    straight into a slot of the worker's first local tier when that is a cpu tier (reserved,
+    evicting as a put would), committed once checked and scattered; otherwise it is put
+    there from the pull's buffers."""
 
-    def _integrity_miss(
-        self, tier: Tier, key: str, info: ChunkInfo, why: str, dropped: bool
-    ) -> None:
-        """An entry that is not the chunk asked for: a miss, counted and logged; a local tier
-        loses it (announced: BlockRemoved of what it had announced), a shared tier is only
-        written again by this rank's next save of the chunk."""
-        logger.warning("offload: %s tier: integrity miss: %s", tier.kind, why)
-        with self._lock:
-            self._count("num_integrity_misses")
-            self._count(f"num_{tier.kind}_integrity_misses")
-            if tier.shared:
-                self._written_shared.discard(key)
-        if not tier.shared:
-            with self._tiers_lock:
-                held = info if dropped else tier.remove(key)
-            if held is not None:
-                self._emit(removed_event(held, tier.kind))
-
-    def _reset(self) -> None:
-        """Empty the local tiers, announcing exactly what each dropped (a shared tier is not
-        ours to empty), so a router keeps what the engine itself still holds."""
-        for tier in self.tiers:
-            with self._guard(tier):
-                dropped = tier.clear()
-            self._emit(*(removed_event(info, tier.kind) for _, info in dropped))
-
-    def _guard(self, tier: Tier) -> contextlib.AbstractContextManager[Any]:
-        """What a call into `tier` holds: the tiers' lock for a local one; nothing for a
-        shared one (only the I/O thread calls it, and a round trip must not hold up a peer)."""
-        return contextlib.nullcontext() if tier.shared else self._tiers_lock
-
-
-class _IntoCpuTier:
-    """A pull's `PayloadSink`: a whole chunk's payload is read into a slot of the worker's
-    first local tier when that is a cpu tier (reserved, evicting as a put would); anything
-    else into the worker's receive buffers. The worker commits or unreserves each slot."""
-
-    def __init__(self, worker: OffloadWorker, index: int) -> None:
-        self.worker, self.index = worker, index
-        tier = worker.tiers[index]
-        self.tier = tier if isinstance(tier, CpuTier) else None
-        self.reserved: dict[str, int] = {}
+    def __init__(self, worker: OffloadWorker) -> None:
+        self.worker = worker
+        self.index = worker._local[0] if worker._local else None
+        tier = worker.tiers[self.index] if self.index is not None else None
+        self.cpu = tier if isinstance(tier, CpuTier) else None
+        self.slots: dict[str, int] = {}
 
     def take(self, key: str, n: int) -> memoryview | None:
-        tier = self.tier
-        got = None
-        if tier is not None and n == tier.slot_bytes:
-            with self.worker._tiers_lock:
-                got = tier.reserve(key)
+        if self.cpu is None or self.index is None or n != self.cpu.slot_bytes:
+            return None
+        with self.worker._guard(self.index):
+            got = self.cpu.reserve(key)
         if got is None:
-            buffers = self.worker._recv_buffers
-            return buffers.take(key, n) if buffers is not None else None
+            return None
         slot, view, evicted = got
-        self.reserved[key] = slot
+        self.slots[key] = slot
         self.worker._evicted(self.index, evicted)
         return view
 
-    def unreserve(self, slot: int) -> None:
-        assert self.tier is not None
-        with self.worker._tiers_lock:
-            self.tier.unreserve(slot)
-
-    def commit(self, slot: int, key: str, info: ChunkInfo, data: torch.Tensor) -> None:
-        """The checked chunk in `slot` is now the tier's: announced and counted as a put."""
-        assert self.tier is not None
-        worker = self.worker
-        try:
-            with worker._tiers_lock:
-                self.tier.commit(slot, key, info)
-        except TierError as e:
-            worker._tier_failed(self.tier, e)
+    def keep(self, key: str, info: ChunkInfo, data: torch.Tensor) -> None:
+        worker, index = self.worker, self.index
+        if index is None:
             return
-        worker._emit(stored_event(info, self.tier.kind))
+        slot = self.slots.pop(key, None)
+        if slot is None or self.cpu is None:
+            worker._put(index, key, info, data)
+            return
+        try:
+            with worker._guard(index):
+                self.cpu.commit(slot, key, info)
+        except TierError as e:
+            worker._tier_failed(self.cpu, e)
+            return
+        worker._emit(stored_event(info, self.cpu.kind))
         with worker._lock:
-            worker._count(f"{self.tier.kind}_bytes_stored", data.numel() * data.element_size())
+            worker._count(f"{self.cpu.kind}_bytes_stored", data.numel() * data.element_size())
+
+    def drop(self, key: str) -> None:
+        slot = self.slots.pop(key, None)
+        if slot is not None and self.cpu is not None and self.index is not None:
+            with self.worker._guard(self.index):
+                self.cpu.unreserve(slot)
+
+    def count(self, name: str, n: int = 1) -> None:
+        with self.worker._lock:
+            self.worker._count(name, n)

@@ -27,8 +27,8 @@ from kvconnect.connector.offload.common import (
 )
 from kvconnect.connector.offload.kinds import TierKind
 from kvconnect.connector.offload.layout import LayoutError, PagedKV, from_kv_planes, from_logical
+from kvconnect.connector.offload.peers.protocol import RecvBuffers
 from kvconnect.connector.offload.tiers.cpu import CpuTier
-from kvconnect.connector.offload.tiers.peer import RecvBuffers
 from kvconnect.connector.offload.worker import OffloadWorker
 from kvconnect.events import BlockRemoved, BlockStored
 from tests.helpers import free_port
@@ -368,7 +368,7 @@ def test_runs_of_consecutive_blocks_and_gaps_move_as_one_index_copy_would(layout
 def test_a_sync_load_is_done_when_start_load_kv_returns_and_is_never_reported() -> None:
     """A load wholly from the cpu tier (LoadSpec.sync) fills its blocks before start_load_kv
     returns (the step's forward computes the rest next) and is not an async finish; after
-    shutdown, one the I/O thread never ran returns at once as a load error."""
+    shutdown, one returns at once as a load error."""
     raw, views, expected, worker = bf16_blnhc_worker()
     try:
         worker.wait_for_save(OffloadMetadata(saves=[SaveSpec(info(1), [3, 7])]))
@@ -465,7 +465,8 @@ def test_a_pulled_chunk_is_received_into_a_cpu_slot_and_a_refused_one_gives_its_
         cpu_a.put(a._key(info(4)), forged, source["l0"].new_zeros(cpu_a.chunk_shape))  # type: ignore[attr-defined]
         b.build_connector_worker_meta()  # nothing yet
         counting = CountingBuffers(slot_bytes)
-        b._recv_buffers = counting
+        assert b.peers is not None
+        b.peers.make_buffers = lambda _: counting
         chunks = [info(1), info(2), info(3), info(4), tail]
         blocks = [[0, 1], [2, 3], [4, 5], [8, 9], [6]]
         peer_at = ("127.0.0.1", a.config.peer.port)  # type: ignore[union-attr]

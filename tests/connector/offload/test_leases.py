@@ -8,9 +8,10 @@ import torch
 
 from kvconnect.connector.offload.common import ChunkInfo
 from kvconnect.connector.offload.leases import EARLY_RELEASE_S, Leases
+from kvconnect.connector.offload.peers.protocol import Deadline, Hello, Served
+from kvconnect.connector.offload.peers.tcp import TcpPeerClient, TcpPeerServer
 from kvconnect.connector.offload.tiers.base import TierError
 from kvconnect.connector.offload.tiers.cpu import CpuTier
-from kvconnect.connector.offload.tiers.peer import PeerClient, PeerServer
 
 SHAPE = (2, 2, 16, 1, 4)
 
@@ -90,15 +91,16 @@ def test_release_over_the_peer_server() -> None:
     leases = Leases()
     leases.grant("req-1", ["k"], ttl_s=30)
     ns = "tiny@0123456789abcdef"
-    server = PeerServer("tcp://127.0.0.1:0", 1, 0, ns, lambda _: 0, lambda _: None, leases.release)
-    client = PeerClient(server.endpoint, 1, 0, ns, timeout_s=5.0)
+    served = Served(lambda _: 0, lambda _: None, leases.release)
+    server = TcpPeerServer("127.0.0.1", 0, Hello(1, 0, ns), served, None, 5.0, 64.0, 8)
+    client = TcpPeerClient("127.0.0.1", server.port, 1, 0, ns, None)
     try:
-        assert client.release("req-1") is True
+        assert client.release("req-1", Deadline(5.0)) is True
         assert "k" not in leases
-        assert client.release("req-1") is False
-        with pytest.raises(TierError, match="RELEASE: a lease id is 1-256 ASCII bytes"):
-            client.release("x" * 300)
-        assert client.release("req-2") is False  # the server served on
+        assert client.release("req-1", Deadline(5.0)) is False
+        with pytest.raises(TierError, match="refused RELEASE: RELEASE: 300 bytes"):
+            client.release("x" * 300, Deadline(5.0))
+        assert client.release("req-2", Deadline(5.0)) is False  # the server served on
     finally:
         client.close()
         server.close()

@@ -4,7 +4,6 @@ and real KV tensors; two TP ranks share nothing but the metadata that crosses th
 import contextlib
 import logging
 import random
-import socket
 import threading
 from collections import Counter
 from collections.abc import Iterator
@@ -29,6 +28,7 @@ from kvconnect.connector import (
 from kvconnect.connector.aggregator import KVOutputAggregator
 from kvconnect.connector.offload.common import OffloadWorkerMetadata
 from kvconnect.connector.offload.connector import OffloadConnector
+from kvconnect.connector.offload.peers.protocol import Hello
 from kvconnect.connector.step import run_worker_step
 from kvconnect.engine.request import RequestStatus
 from kvconnect.events import MEDIUMS, BlockRemoved, BlockStored, tier_of
@@ -36,6 +36,7 @@ from kvconnect.hashing import block_hashes
 from tests.connector.helpers import roundtrip
 from tests.engine.test_scheduler import BS
 from tests.helpers import free_port, wait_for
+from tests.peer_fakes import Reply, answer_of, fake_peer
 
 CHUNK = 8  # two blocks of 4
 
@@ -426,12 +427,13 @@ def test_a_source_rank_that_dies_before_the_pull_makes_its_blocks_recompute(
         source = {"host": "127.0.0.1", "port": p.sched.config.peer.port}  # type: ignore[union-attr]
         dst = d.remote_hit(Req("b", tokens, {"remote_kv_source": source}))
         dying = p.workers[1].worker
-        assert dying is not None and dying.peer_server is not None
-        dying.peer_server.close()
-        with caplog.at_level(logging.WARNING, "kvconnect.connector.offload.worker"):
+        assert dying is not None and dying.peers is not None
+        dying.peers.server.close()
+        with caplog.at_level(logging.WARNING, "kvconnect.connector.offload.peers.side"):
             d.step()
         assert d.finished_recving == {"b"} and d.invalid == set(dst[:4])
-        failed = [r for r in caplog.records if "did not answer" in r.getMessage()]
+        port = p.sched.config.peer.port + 1  # type: ignore[union-attr]
+        failed = [r for r in caplog.records if f"127.0.0.1:{port}" in r.getMessage()]
         assert len(failed) == 1, [r.getMessage() for r in failed]
         for w in d.workers:
             assert w.worker is not None and w.worker.drain()
@@ -444,50 +446,23 @@ def test_a_source_rank_that_dies_before_the_pull_makes_its_blocks_recompute(
 
 @contextlib.contextmanager
 def stalled_source(namespace: str, port: int) -> Iterator[tuple[int, threading.Event]]:
-    """A source that says it holds every chunk asked for, then sends none: its data port
-    takes a pull's requests and answers nothing until the test is done. Yields its port
-    and an event set once a pull's first request has arrived."""
-    router = zmq.Context.instance().socket(zmq.ROUTER)
-    router.setsockopt(zmq.LINGER, 0)
-    router.bind(f"tcp://127.0.0.1:{port}")
-    listener = socket.create_server(("127.0.0.1", 0))
-    hello = msgspec.msgpack.encode([1, 0, namespace, listener.getsockname()[1]])
-    asked, done = threading.Event(), threading.Event()
+    """A source on `port` that says it holds every chunk asked for, then sends none: it takes
+    a pull's requests and answers nothing until the test is done. Yields its port and an
+    event set once a pull's first request has arrived."""
+    asked = threading.Event()
 
-    def control() -> None:
-        while not done.is_set():
-            if router.poll(20):
-                ident, rid, verb, arg = router.recv_multipart()
-                answer = (
-                    hello
-                    if verb == b"HELLO"
-                    else msgspec.msgpack.encode(len(msgspec.msgpack.decode(arg)))
-                )
-                router.send_multipart([ident, rid, b"OK", answer])
+    def answer(verb: bytes, arg: bytes) -> Reply:
+        if verb == b"S":
+            return answer_of(msgspec.msgpack.encode(len(msgspec.msgpack.decode(arg))))
+        asked.set()
+        return None
 
-    def data() -> None:
-        with contextlib.suppress(OSError):
-            conn, _ = listener.accept()
-            with conn:
-                conn.recv(4)
-                asked.set()
-                done.wait(30)
-
-    threads = [threading.Thread(target=f, daemon=True) for f in (control, data)]
-    for t in threads:
-        t.start()
-    try:
-        yield port, asked
-    finally:
-        done.set()
-        listener.close()
-        for t in threads:
-            t.join(5)
-        router.close()
+    with fake_peer(answer, hello=Hello(1, 0, namespace), port=port) as peer:
+        yield peer.port, asked
 
 
 def test_a_holder_busy_pulling_from_a_stalled_source_still_serves_its_own_chunks() -> None:
-    """A's I/O thread waits on a source that sends nothing (for up to A's 30 s timeout);
+    """A's pull thread waits on a source that sends nothing (for up to A's 30 s timeout);
     meanwhile B pulls A's chunks, and gets them at once. A peer's read used to queue behind
     the holder's own pulls: two busy instances pulling from each other waited on each other
     until both timed out and recomputed (seen as 10 s stalls in bench/placement.py)."""
@@ -515,7 +490,7 @@ def test_a_holder_busy_pulling_from_a_stalled_source_still_serves_its_own_chunks
             stuck_blocks = a.remote_hit(stuck)
             pulling = threading.Thread(target=a.step)
             pulling.start()
-            assert asked.wait(10)  # A's I/O thread is in that pull now, and stays there
+            assert asked.wait(10)  # A's pull thread is in that pull now, and stays there
 
             source = {"host": "127.0.0.1", "port": a.sched.config.peer.port}  # type: ignore[union-attr]
             dst = b.remote_hit(Req("b", held, {"remote_kv_source": source}))

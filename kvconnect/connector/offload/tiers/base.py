@@ -1,7 +1,8 @@
 """The storage tier interface and the chunk serialisation shared by disk and redis.
 
-Contract. A worker's tiers are called only from its I/O thread, except `contains`, which any
-thread may call:
+Contract. A worker calls a local tier (cpu, disk) from several threads, each call under that
+tier's own lock, and a shared tier (redis) without one (worker.py says which threads);
+`contains` any thread may call without the lock:
 - `put` stores a chunk and returns what it evicted (with the data, so the caller can demote it);
 - `load` returns the chunk as stored (its header's description and its data) or None if
   absent, and raises `TierError` if the entry is bad (checksum, signature: `IntegrityError`) or
