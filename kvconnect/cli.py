@@ -302,8 +302,10 @@ def _http_flags(p: argparse.ArgumentParser, vllm_env: bool) -> None:
     env = "$KVCONNECT_API_KEY" + (" or $VLLM_API_KEY" if vllm_env else "")
     p.add_argument(
         "--api-key",
-        help=f"clients must send Authorization: Bearer KEY on every path but /health "
-        f"(default: {env}; none: open)",
+        nargs="+",
+        metavar="KEY",
+        help=f"clients must send Authorization: Bearer KEY (one of the keys: several, one a "
+        f"client, as vLLM takes them) on every path but /health (default: {env}; none: open)",
     )
     p.add_argument(
         "--admin-token",

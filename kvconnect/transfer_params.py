@@ -94,6 +94,10 @@ class KVTransferParams(msgspec.Struct, omit_defaults=True):
 
 
 KEYS = frozenset(KVTransferParams.__struct_fields__)
+LEASE_OWNER = "lease_owner"
+"""Added by `kvconnect serve` to a `do_remote_decode` request's params: which client (a digest
+of its API key) the lease is for, so that lease quotas count per client. Not one of `KEYS`: a
+client that sends it is refused."""
 
 
 def parse(params: Any, strict: bool = True) -> KVTransferParams:

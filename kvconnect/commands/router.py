@@ -13,7 +13,7 @@ from typing import Any
 from kvconnect.commands.events import curve_from_env
 from kvconnect.commands.startup import check_port_free
 from kvconnect.events import tier_of
-from kvconnect.http.auth import admin_token_from, api_key_from, instance_api_key_from
+from kvconnect.http.auth import admin_token_from, api_keys_from, instance_api_key_from
 from kvconnect.http.limits import ConnectionLimits
 from kvconnect.model.tokenizer import load_tokenizer
 from kvconnect.router.core import Instance, Router
@@ -52,7 +52,7 @@ def run_router_command(args: argparse.Namespace) -> int:
     prefill = [Instance.parse(spec) for spec in args.prefill_instance]
     weights = parse_tier_weights(args.tier_weights)
     options = RouterOptions(
-        api_key=api_key_from(args.api_key),
+        api_key=api_keys_from(args.api_key),
         admin_token=admin_token_from(args.admin_token),
         instance_api_key=instance_api_key_from(args.instance_api_key),
         upstream_timeout=args.upstream_timeout,

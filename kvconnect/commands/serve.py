@@ -13,7 +13,7 @@ from kvconnect.commands.startup import (
 )
 from kvconnect.connector.offload.common import PeerConfig
 from kvconnect.engine.llm import LLM
-from kvconnect.http.auth import admin_token_from, api_key_from
+from kvconnect.http.auth import admin_token_from, api_keys_from
 from kvconnect.http.limits import ConnectionLimits
 from kvconnect.serve.server import ServeOptions, serve
 
@@ -25,7 +25,7 @@ def serve_options(args: argparse.Namespace, peer: PeerConfig | None = None) -> S
         max_num_waiting_tokens=args.max_num_waiting_tokens,
         request_timeout=args.request_timeout,
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
-        api_key=api_key_from(args.api_key, vllm_env=True),
+        api_key=api_keys_from(args.api_key, vllm_env=True),
         admin_token=admin_token_from(args.admin_token),
         limits=ConnectionLimits(args.max_connections, args.header_timeout, args.body_timeout),
         peer_sources=peer.source_addrs if peer is not None else frozenset(),

@@ -1,7 +1,9 @@
 """Bearer-token authentication, the same for `kvconnect serve` and `kvconnect router`.
 
     no key set          every path is open (as before; bind 127.0.0.1)
-    --api-key K         every path but /health needs `Authorization: Bearer K`
+    --api-key K [K2..]  every path but /health needs `Authorization: Bearer` with one of the
+                        keys (several: one a client, as vLLM takes them; `client_of` tells
+                        them apart without keeping the key)
     --admin-token T     /metrics, /kv/score need `Bearer T` (without it: the API key)
 
 Anything else is a 401 in OpenAI's error shape with `WWW-Authenticate: Bearer`. Tokens are
@@ -22,7 +24,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from aiohttp import web
 from aiohttp.typedefs import Handler
@@ -69,6 +71,24 @@ def api_key_from(flag: str | None, vllm_env: bool = False) -> str | None:
     return secret_from(flag, "--api-key", names)
 
 
+def api_keys_from(flags: list[str] | None, vllm_env: bool = False) -> tuple[str, ...] | None:
+    """The API keys: every --api-key given (vLLM's `--api-key K1 K2`), else the environment's
+    one (`api_key_from`); None when there is none."""
+    if not flags:
+        key = api_key_from(None, vllm_env)
+        return None if key is None else (key,)
+    return tuple(api_key_from(flag) or "" for flag in flags)
+
+
+def client_of(authorization: str | None) -> str | None:
+    """Which client presented `authorization` (a short digest of its bearer token, for quotas
+    per client), None without one. The key itself is never kept."""
+    scheme, _, token = (authorization or "").partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        return None
+    return hashlib.sha256(token.strip().encode("utf-8", "surrogatepass")).hexdigest()[:16]
+
+
 def admin_token_from(flag: str | None) -> str | None:
     return secret_from(flag, "--admin-token", (ADMIN_TOKEN_ENV,))
 
@@ -84,30 +104,36 @@ def _digest(token: str) -> bytes:
 class BearerAuth:
     """The tokens a server accepts, per kind of path."""
 
-    def __init__(self, api_key: str | None, admin_token: str | None = None) -> None:
+    def __init__(self, api_key: str | Sequence[str] | None, admin_token: str | None = None) -> None:
         if admin_token is not None and not admin_token.strip():
             raise ValueError("--admin-token: the token is empty")
-        self._api = _digest(api_key) if api_key is not None else None
-        admin = admin_token if admin_token is not None else api_key
-        self._admin = _digest(admin) if admin is not None else None
+        keys = (api_key,) if isinstance(api_key, str) else tuple(api_key or ())
+        self._api = [_digest(k) for k in keys]
+        self._admin = [_digest(admin_token)] if admin_token is not None else self._api
 
     @property
     def enabled(self) -> bool:
-        return self._api is not None or self._admin is not None
+        return bool(self._api or self._admin)
 
-    def expected(self, path: str) -> bytes | None:
-        """The digest a request to `path` must present; None when it may come without."""
+    def expected(self, path: str) -> list[bytes] | None:
+        """The digests one of which a request to `path` must present; None when it may come
+        without."""
         if path in OPEN_PATHS:
             return None
-        return self._admin if path in ADMIN_PATHS else self._api
+        return (self._admin if path in ADMIN_PATHS else self._api) or None
 
     def allows(self, path: str, authorization: str | None) -> bool:
         wanted = self.expected(path)
         if wanted is None:
             return True
         scheme, _, token = (authorization or "").partition(" ")
-        # Digest the token even when the scheme is wrong: every refusal costs the same.
-        return hmac.compare_digest(_digest(token.strip()), wanted) and scheme.lower() == "bearer"
+        # Digest the token even when the scheme is wrong, and compare it with every key:
+        # every refusal costs the same.
+        digest = _digest(token.strip())
+        found = False
+        for key in wanted:
+            found |= hmac.compare_digest(digest, key)
+        return found and scheme.lower() == "bearer"
 
     def middleware(self) -> web.middleware:  # type: ignore[valid-type]
         @web.middleware
@@ -127,6 +153,8 @@ __all__ = [
     "BearerAuth",
     "admin_token_from",
     "api_key_from",
+    "api_keys_from",
+    "client_of",
     "instance_api_key_from",
     "secret_from",
 ]

@@ -87,7 +87,7 @@ INLINE_TOKENIZE_BYTES = 16 << 10
 class RouterOptions:
     """The router's HTTP front beyond routing (the flags of `kvconnect router`)."""
 
-    api_key: str | None = field(default=None, repr=False)
+    api_key: str | tuple[str, ...] | None = field(default=None, repr=False)
     admin_token: str | None = field(default=None, repr=False)
     instance_api_key: str | None = field(default=None, repr=False)
     """Presented to the instances in place of the client's Authorization."""
@@ -169,7 +169,8 @@ class RouterServer:
         self.pool = UpstreamPool(read_timeout=options.upstream_timeout)
         self.pd_min_tail = options.pd_min_tail
         self.trust_client_kv_params = options.trust_client_kv_params
-        token = options.admin_token or options.api_key
+        keys = (options.api_key,) if isinstance(options.api_key, str) else options.api_key or ()
+        token = options.admin_token or next(iter(keys), None)
         self._replica_auth = f"Bearer {token}" if token is not None else None
         self._health: asyncio.Task[None] | None = None
         self._replicas: asyncio.Task[None] | None = None

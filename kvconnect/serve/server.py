@@ -61,7 +61,7 @@ from kvconnect.engine.llm import LLM
 from kvconnect.engine.request import Request
 from kvconnect.http.aiohttp_app import access_and_errors, error_response, read_body
 from kvconnect.http.aiohttp_listener import Listener
-from kvconnect.http.auth import BearerAuth
+from kvconnect.http.auth import BearerAuth, client_of
 from kvconnect.http.limits import ConnectionLimits
 from kvconnect.serve.admission import RETRY_AFTER_S, Admission
 from kvconnect.serve.answers import Answer, Shown, failure
@@ -76,7 +76,7 @@ from kvconnect.serve.prepare import (
     prepare,
 )
 from kvconnect.serve.tokens import detokenize_body, tokenize_body
-from kvconnect.transfer_params import check_source, source_of
+from kvconnect.transfer_params import LEASE_OWNER, check_source, source_of
 
 logger = logging.getLogger(__name__)
 
@@ -94,7 +94,8 @@ class ServeOptions:
     and it is answered 504 (or its stream ends with that error). None: no deadline."""
     enable_prompt_tokens_details: bool = False
     """`usage.prompt_tokens_details.cached_tokens` in answers, as vLLM's flag of that name."""
-    api_key: str | None = field(default=None, repr=False)
+    api_key: str | tuple[str, ...] | None = field(default=None, repr=False)
+    """One key, or several (one a client: lease quotas count per client, `client_of`)."""
     admin_token: str | None = field(default=None, repr=False)
     limits: ConnectionLimits = field(default_factory=ConnectionLimits)
     peer_sources: frozenset[tuple[str, int]] = frozenset()
@@ -150,6 +151,15 @@ class OpenAIServer:
             except ValueError as e:
                 raise ApiError(str(e), "kv_transfer_params") from None
 
+    def _own_leases(self, jobs: list[Job], authorization: str | None) -> None:
+        """A P/D prefill's lease is its client's (the API key it came with): lease quotas
+        count per client (`peer.max_leased_share_per_client`)."""
+        client = client_of(authorization) if self.options.api_key else None
+        for job in jobs:
+            params = job.kv_transfer_params
+            if client is not None and params and params.get("do_remote_decode"):
+                job.kv_transfer_params = {**params, LEASE_OWNER: client}
+
     # -- handlers -----------------------------------------------------------------------------
 
     async def completions(self, http: web.Request) -> web.StreamResponse:
@@ -171,6 +181,7 @@ class OpenAIServer:
         except ApiError as e:
             return error_response(e)
         jobs = prepared.all_jobs
+        self._own_leases(jobs, http.headers.get("Authorization"))
         overloaded = self.admission.admit(jobs)
         if overloaded is not None:
             response = error_response(overloaded)

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from kvconnect.http.auth import BearerAuth, api_key_from, secret_from
+from kvconnect.http.auth import BearerAuth, api_key_from, api_keys_from, client_of, secret_from
 from tests.serving import RouterProcess, Serve, request
 
 pytestmark = pytest.mark.slow
@@ -114,3 +114,17 @@ def test_the_policy_per_path() -> None:
     assert auth.allows("/kv/score", "Bearer t") and auth.allows("/metrics", "Bearer  t ")
     assert not auth.allows("/tokenize", None)
     assert not BearerAuth(None).enabled
+
+
+def test_several_keys_each_let_a_client_in_and_tell_clients_apart() -> None:
+    """`--api-key K1 K2` (vLLM's form): either key is accepted, and each is its own client
+    (lease quotas count per client) without the key being kept."""
+    auth = BearerAuth(("key-x", "key-y"))
+    assert auth.allows("/v1/completions", "Bearer key-x")
+    assert auth.allows("/v1/completions", "Bearer key-y")
+    assert not auth.allows("/v1/completions", "Bearer key-z")
+    assert auth.allows("/metrics", "Bearer key-y")  # no admin token: any API key
+    x, y = client_of("Bearer key-x"), client_of("Bearer key-y")
+    assert x is not None and y is not None and x != y and "key-x" not in x
+    assert client_of(None) is None and client_of("Basic key-x") is None
+    assert api_keys_from(["a", "b"]) == ("a", "b")

@@ -18,11 +18,13 @@ import contextlib
 import json
 import os
 import random
+import re
 import socket
 import threading
 import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import msgspec
@@ -32,7 +34,7 @@ from kvconnect.connector.offload.common import chunk_key
 from kvconnect.transfer_params import TO_PREFILL
 from tests.helpers import free_port, wait_for
 from tests.peer_fakes import Reply, answer_of, fake_peer, greeted, hello_of
-from tests.serving import Serve, get, post
+from tests.serving import Serve, get, post, request
 
 pytestmark = pytest.mark.slow
 
@@ -324,3 +326,59 @@ def test_the_instances_stay_whole(hostile: Hostile) -> None:
     tokens = prompt(700)
     expected, _ = complete(a, tokens)
     assert complete(b, tokens, **naming(a_port)) == (expected, 128)
+
+
+def test_leases_have_quotas_per_instance_and_per_client(tmp_path: Path) -> None:
+    """F5: a prefill instance whose cpu tier holds 16 chunks leases at most 8 of them
+    (`max_leased_share` 0.5) and at most 4 to one client (`max_leased_share_per_client`
+    0.25, a client being the API key it came with). Past either, a request runs without a
+    lease (counted), and the rest of the tier still stores everyone's prompts (sixteen
+    leases used to pin all of it: every other tenant's store failed)."""
+    chunk_bytes = 4 * 2 * CHUNK * 4 * 32 * 4  # tiny: layers, K/V, tokens, KV heads, dim, fp32
+    extra = {
+        "chunk_size": CHUNK,
+        "tiers": [{"kind": "cpu", "max_bytes": 16 * chunk_bytes}],
+        "peer": {"port": free_port(), "max_leased_share_per_client": 0.25},
+    }
+    transfer = {"kv_connector": "OffloadConnector", "kv_role": "kv_both"}
+    spec = json.dumps({**transfer, "kv_connector_extra_config": extra})
+    p = Serve(tmp_path, "--kv-transfer-config", spec, "--api-key", "key-x", "key-y")
+    p.start()
+
+    def ask(key: str, seed: int, **extra: Any) -> dict[str, Any]:
+        status, body, _ = request(
+            p.url + "/v1/completions",
+            {"model": "tiny", "prompt": prompt(seed), "max_tokens": 1, **extra},
+            headers={"Authorization": f"Bearer {key}"},
+        )
+        assert status == 200, body
+        assert isinstance(body, dict)
+        return body
+
+    def counted(name: str) -> float:
+        ask("key-x", 999)  # a step: the workers report their counts with its output
+        _, text, _ = request(p.url + "/metrics", headers={"Authorization": "Bearer key-x"})
+        found = re.search(rf"^kvconnect_connector_{name}_total\{{[^}}]*\}} (\S+)$", text, re.M)
+        return float(found.group(1)) if found else 0.0
+
+    try:
+        for key, seed, granted, refused in [
+            ("key-x", 1, 1, 0),  # x: 4 chunks, its quarter
+            ("key-x", 2, 1, 1),  # x: 4 more would be 8: refused, runs without a lease
+            ("key-y", 3, 2, 1),  # y: 4 (8 of 16 leased: the instance's half)
+            ("key-y", 4, 2, 2),  # y: over both quotas
+        ]:
+            params = ask(key, seed, kv_transfer_params=TO_PREFILL)["kv_transfer_params"]
+            assert len(params["remote_chunk_hashes"]) == 4  # answered all the same
+
+            def settled(g: int = granted, r: int = refused) -> bool:
+                return (counted("num_leases_granted"), counted("num_leases_refused")) == (g, r)
+
+            wait_for(settled, timeout=30, what=f"{granted} granted, {refused} refused")
+        stored = counted("num_chunks_stored")
+        for seed in (5, 6, 7):  # another tenant: 12 chunks, into the 8 slots not leased
+            ask("key-x", seed)
+        wait_for(lambda: counted("num_chunks_stored") >= stored + 12, timeout=30, what="stores")
+        assert counted("num_cpu_errors") == 0  # no store found every slot leased
+    finally:
+        assert p.stop() == 0, p.logs()

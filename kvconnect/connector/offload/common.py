@@ -112,6 +112,7 @@ Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
 Host = Annotated[str, msgspec.Meta(min_length=1, max_length=253)]
 MAX_PEER_SOURCES = 64
 MibPerSecond = Annotated[float, msgspec.Meta(gt=0)]
+Share = Annotated[float, msgspec.Meta(gt=0, le=1)]
 
 
 class PeerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -155,6 +156,15 @@ class PeerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """P/D: how long a `do_remote_decode` request's chunks stay leased (not evicted from the
     cpu tier) for the decode instance that is to pull them, unless it releases them first
     (vLLM's NixlConnector has the same key and default)."""
+    max_leased_share: Share = 0.5
+    """P/D: the share of the cpu tier's slots that leases may hold at once. A request that
+    would lease past it runs without a lease (counted `num_leases_refused`): its decode
+    instance pulls what is still there and computes the rest; the other half of the tier
+    keeps serving everyone's prefixes."""
+    max_leased_share_per_client: Share = 0.5
+    """The same, for the leases of one client (the API key its requests came with, at
+    `kvconnect serve` with several `--api-key`s; under vLLM, whose server does not tell the
+    connector, every request is one client's)."""
     pd: bool = True
     """P/D: answer and follow NixlConnector's handshake with kvconnect's own transfer. Set
     false beside another P/D connector (NixlConnector) in a MultiConnector: that one answers
@@ -364,6 +374,8 @@ class LeaseSpec:
     last_block_hashes: list[bytes]
     expires_at: float
     """Wall-clock time (`time.time()`), as the answer tells the decode instance."""
+    owner: str | None = None
+    """The client it is for (quotas count per client): `transfer_params.LEASE_OWNER`."""
 
 
 @dataclass

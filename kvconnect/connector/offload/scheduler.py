@@ -72,7 +72,7 @@ from kvconnect.events import (
     tier_of,
 )
 from kvconnect.hashing import request_extra_keys, to_event, to_wire
-from kvconnect.transfer_params import Named
+from kvconnect.transfer_params import LEASE_OWNER, Named
 
 logger = logging.getLogger(__name__)
 
@@ -497,7 +497,9 @@ class OffloadScheduler:
         peer, per = self.config.peer, self.config.blocks_per_chunk
         last = [tracked.block_hashes[(i + 1) * per - 1] for i in range(tracked.next_chunk)]
         expires_at = time.time() + peer.kv_lease_duration
-        self._leases.append(LeaseSpec(request.request_id, last, expires_at))
+        owner = params.get(LEASE_OWNER)
+        owner = owner if isinstance(owner, str) else None
+        self._leases.append(LeaseSpec(request.request_id, last, expires_at, owner))
         return {
             "do_remote_prefill": True,
             "do_remote_decode": False,

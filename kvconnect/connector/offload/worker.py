@@ -65,7 +65,7 @@ from kvconnect.connector.offload.common import (
 from kvconnect.connector.offload.device import DeviceOps, Stream, device_ops_for
 from kvconnect.connector.offload.kinds import TierKind
 from kvconnect.connector.offload.layout import PagedKV, from_kv_planes
-from kvconnect.connector.offload.leases import Leases
+from kvconnect.connector.offload.leases import Grant, Leases
 from kvconnect.connector.offload.peers.protocol import Served
 from kvconnect.connector.offload.peers.side import PeerSide
 from kvconnect.connector.offload.peers.transport import PeerKeys
@@ -177,7 +177,11 @@ class OffloadWorker:
         self._stores: deque[StoreJob] = deque()
         self._pulls: deque[LoadJob] = deque()
         self._storing: Counter[str] = Counter()  # keys of the store jobs queued or running
-        self.leases = Leases()
+        peer = config.peer
+        self.leases = Leases(
+            max_share=peer.max_leased_share if peer else 1.0,
+            max_share_per_client=peer.max_leased_share_per_client if peer else 1.0,
+        )
         self.peers: PeerSide | None = None
         self.peer_keys = PeerKeys.from_config(config)  # a wrong key file fails the start
         self._written_shared: set[str] = set()  # keys this rank put in shared tiers
@@ -226,6 +230,8 @@ class OffloadWorker:
         for i, tier in enumerate(self.tiers):
             if isinstance(tier, CpuTier):
                 tier.leased = self.leases.__contains__
+                if self.leases.capacity is None:  # the first cpu tier's slots bound the leases
+                    self.leases.capacity = tier.num_slots
                 # What it evicts is demoted to a local tier below it, or dropped: then its
                 # data is not copied out (a fresh 12 MB per eviction, and its page faults).
                 tier.keep_evicted = any(j > i for j in self._local)
@@ -700,18 +706,20 @@ class OffloadWorker:
         whose time is up."""
         if not meta.leases and not len(self.leases):  # the usual step: nothing to do
             return
-        world, released = self.context.world_size, 0
+        world, done = self.context.world_size, Counter[Grant]()
         for lease in meta.leases:
             ttl = lease.expires_at - time.time()
             keys = [chunk_key(self.namespace, world, self.rank, h) for h in lease.last_block_hashes]
-            if ttl > 0 and not self.leases.grant(lease.lease_id, keys, ttl):
-                released += 1  # its decode instance was faster than this step
+            if ttl > 0:
+                done[self.leases.grant(lease.lease_id, keys, ttl, lease.owner)] += 1
         expired = self.leases.expire()
         with self._lock:
             if meta.leases:
-                self._count("num_leases_granted", len(meta.leases))
-            if released:
-                self._count("num_leases_released", released)
+                self._count("num_leases_granted", len(meta.leases) - done[Grant.REFUSED])
+            if done[Grant.RELEASED]:  # its decode instance was faster than this step
+                self._count("num_leases_released", done[Grant.RELEASED])
+            if done[Grant.REFUSED]:
+                self._count("num_leases_refused", done[Grant.REFUSED])
             if expired:
                 self._count("num_leases_expired", expired)
 

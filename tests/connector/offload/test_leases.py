@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvconnect.connector.offload.common import ChunkInfo
-from kvconnect.connector.offload.leases import EARLY_RELEASE_S, Leases
+from kvconnect.connector.offload.leases import EARLY_RELEASE_S, Grant, Leases
 from kvconnect.connector.offload.peers.protocol import Deadline, Hello, Served
 from kvconnect.connector.offload.peers.tcp import TcpPeerClient, TcpPeerServer
 from kvconnect.connector.offload.tiers.base import TierError
@@ -64,6 +64,23 @@ def test_a_release_before_the_grant_cancels_it() -> None:
     clock.now += EARLY_RELEASE_S + 1
     leases.release("other")  # forgets what is older
     assert leases.grant("late", ["k2"], ttl_s=30)
+    leases.check_integrity()
+
+
+def test_leases_are_bounded_per_instance_and_per_client() -> None:
+    """Of 8 slots, leases hold at most half, and one client a quarter: past either a grant
+    holds nothing (REFUSED); a key two leases share counts once; room comes back with a
+    release."""
+    leases = Leases(Clock(), capacity=8, max_share=0.5, max_share_per_client=0.25)
+    assert leases.grant("x1", ["a", "b"], ttl_s=30, owner="x") is Grant.GRANTED
+    assert leases.grant("x2", ["c"], ttl_s=30, owner="x") is Grant.REFUSED  # x's 3 > 2
+    assert "c" not in leases and leases.num_held() == 2
+    assert leases.grant("x3", ["a", "b"], ttl_s=30, owner="x") is Grant.GRANTED  # the same 2
+    assert leases.grant("y1", ["c", "d"], ttl_s=30, owner="y") is Grant.GRANTED  # 4 of 8
+    assert leases.grant("z1", ["e"], ttl_s=30, owner="z") is Grant.REFUSED  # 5 > half
+    leases.release("y1")
+    assert leases.grant("z1", ["e"], ttl_s=30, owner="z") is Grant.GRANTED
+    assert not leases.grant("z2", ["f", "g"], ttl_s=30, owner="z")  # falsy unless granted
     leases.check_integrity()
 
 
