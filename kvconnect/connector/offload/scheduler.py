@@ -159,6 +159,13 @@ class OffloadScheduler:
         self.peers: PeerSources | None = None
         if config.peer is not None:
             keys = PeerKeys.from_config(config)  # a wrong key file fails the start, named
+            if keys.mac is None:
+                logger.warning(
+                    "peer: no hmac_key_file (nor a tier's, nor a CURVE certificate): anyone who "
+                    "can reach this instance's peer port can read its chunks, and anything that "
+                    "answers on a source's port can feed it KV that changes its outputs; set "
+                    "peer.hmac_key_file, the same key on every instance"
+                )
             self.peers = PeerSources(config.peer, context.world_size, self.namespace, keys)
         # Chunks saved while a watcher runs: wire last hash -> raw, until their shared store
         # is released (the watcher follows keys, which name the raw hash).

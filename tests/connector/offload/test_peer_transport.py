@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import re
 import socket
 import subprocess
@@ -24,7 +25,7 @@ import torch
 import zmq
 import zmq.auth
 
-from kvconnect.connector.offload.common import ChunkInfo, chunk_key
+from kvconnect.connector.offload.common import ChunkInfo, OffloadConfig, chunk_key
 from kvconnect.connector.offload.peers.curve import CurvePeerClient, CurvePeerServer, shared_curve
 from kvconnect.connector.offload.peers.protocol import (
     MAX_KEYS,
@@ -34,6 +35,7 @@ from kvconnect.connector.offload.peers.protocol import (
     Served,
 )
 from kvconnect.connector.offload.peers.tcp import TcpPeerClient, TcpPeerServer
+from kvconnect.connector.offload.peers.transport import PeerKeys
 from kvconnect.connector.offload.tiers.base import (
     IntegrityError,
     StoredChunk,
@@ -529,3 +531,30 @@ def test_a_curve_client_meeting_listeners_that_are_not_peers_survives(tmp_path: 
             timeout=60,
         )
     assert done.returncode == 0 and b"alive" in done.stdout, done.stderr[-2000:]
+
+
+def test_peer_traffic_is_signed_whenever_the_deployment_has_a_secret(tmp_path: Path) -> None:
+    """The peer config's hmac_key_file, else a tier's (the same deployment secret), else one
+    derived from the CURVE certificate every peer holds; none of them: unsigned."""
+
+    def secret(name: str, value: bytes) -> str:
+        path = tmp_path / name
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(value)
+        return str(path)
+
+    peer_key, tier_key = secret("peer.key", b"p" * 32), secret("tier.key", b"t" * 32)
+    cert = certificate(tmp_path, "peers")
+
+    def keys(peer: dict[str, Any], tier: dict[str, Any]) -> PeerKeys:
+        disk = {"kind": "disk", "path": str(tmp_path / "disk"), **tier}
+        extra = {"tiers": [{"kind": "cpu"}, disk], "peer": {"port": 7100, **peer}}
+        return PeerKeys.from_config(OffloadConfig.from_extra_config(extra, 16))
+
+    assert keys({"hmac_key_file": peer_key}, {"hmac_key_file": tier_key}).mac == b"p" * 32
+    assert keys({}, {"hmac_key_file": tier_key}).mac == b"t" * 32
+    derived = keys({"curve_secret_key_file": cert}, {})
+    assert derived.curve is not None and derived.mac is not None and len(derived.mac) == 32
+    assert keys({"curve_secret_key_file": cert}, {}).mac == derived.mac  # every peer alike
+    assert keys({}, {}).mac is None
