@@ -18,6 +18,7 @@ One engine step, in this order (callers in brackets):
   [executor]  KVOutputAggregator folds the workers' KVConnectorOutputs into one
   [scheduler] update_connector_output(output); finished transfers; request_finished(req, ids)
   [scheduler] take_events()   after the block pool's events; both go out as one KVEventBatch
+  [any]       health()        what keeps the connector from progress (serve's /health)
 
 Worker -> scheduler data travels only in `KVConnectorOutput`. Its slot for a connector's own
 state is `kv_connector_worker_meta` (a `KVConnectorWorkerMetadata`, folded across ranks with
@@ -228,6 +229,11 @@ class KVConnectorBase(ABC):
 
     def reset_cache(self) -> bool | None:
         """Drop what the connector caches; False if it could not."""
+        return None
+
+    def health(self) -> str | None:
+        """Why the connector cannot make progress now (a worker's I/O stuck), or None; any
+        thread may ask (serve's /health does)."""
         return None
 
 

@@ -284,6 +284,9 @@ class MultiConnector(KVConnectorBase):
         results = [c.reset_cache() for c in self._connectors]
         return all(r is not False for r in results)
 
+    def health(self) -> str | None:
+        return next((why for c in self._connectors if (why := c.health()) is not None), None)
+
 
 def _child_view(
     output: KVConnectorOutput, slot: KVConnectorWorkerMetadata | None

@@ -110,6 +110,8 @@ class EngineStats:
     num_event_subscriptions: int
     connector: dict[str, int | float]
     """The connector's own stats, totals since start; empty without a connector."""
+    connector_health: str | None = None
+    """What keeps the connector from progress now (`KVConnectorBase.health`), if anything."""
 
 
 def _scheduler_connector(config: WorkerConfig) -> KVConnectorBase | None:
@@ -385,6 +387,7 @@ class LLM:
             num_event_batches_dropped=pub.num_dropped,
             num_event_subscriptions=pub.num_subscriptions,
             connector=connector,
+            connector_health=sched.connector.health() if sched.connector is not None else None,
         )
 
     # -- offline generation ---------------------------------------------------------------

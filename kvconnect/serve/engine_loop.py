@@ -132,6 +132,11 @@ class EngineLoop:
     def num_active(self) -> int:
         return len(self._active)
 
+    def stalled(self) -> str | None:
+        """What keeps the engine's connector from progress now (a stuck I/O job), if
+        anything; any thread may ask."""
+        return self._llm.stats().connector_health
+
     def submit(self, job: Job) -> None:
         """Queue `job` for the engine (`RuntimeError` once the engine has failed); its
         verdict comes on `job.admitted`."""

@@ -17,7 +17,8 @@
                                 renders them -> count, max_model_len, tokens (token_strs)
     POST /detokenize            vLLM's: tokens -> prompt (the text, special tokens kept)
     GET  /version               kvconnect's version, as vLLM answers with its own
-    GET  /health                200 while the engine runs, 503 once it failed
+    GET  /health                200 while the engine runs, 503 once it failed (status
+                                "error") or while its connector is stuck ("stalled")
     GET  /metrics               Prometheus (see metrics.py)
 
 Every request is validated (`api/protocol.py`) and turned into jobs (`prepare.py`); the
@@ -309,6 +310,9 @@ class OpenAIServer:
     async def health(self, _: web.Request) -> web.Response:
         if self.engine.error:
             return web.json_response({"status": "error", "error": self.engine.error}, status=503)
+        stuck = await asyncio.to_thread(self.engine.stalled)
+        if stuck is not None:
+            return web.json_response({"status": "stalled", "error": stuck}, status=503)
         return web.json_response({"status": "ok"})
 
     async def prometheus(self, _: web.Request) -> web.Response:

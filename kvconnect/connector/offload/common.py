@@ -220,6 +220,10 @@ class OffloadConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     counted, so a step never waits for storage."""
     max_pending_steps: Positive = 64
     """Steps an event may wait for the other ranks before it is dropped (see EventQuorum)."""
+    stuck_after_s: Seconds = 30.0
+    """A worker's I/O or pull job running this long (a tier or peer that stopped answering)
+    makes the connector report itself stuck: `kvconnect serve`'s /health answers 503 with
+    the reason until the job ends."""
     peer: PeerConfig | None = None
     """Serve local chunks to peers and pull from them per request (None: neither)."""
     sync_cpu_loads: bool = True
@@ -402,9 +406,12 @@ class OffloadWorkerMetadata(KVEventsWorkerMetadata):
     queued or running (so the scheduler knows whether events are still to come)."""
 
     pending_io: dict[int, int] = field(default_factory=dict)
+    busy_s: dict[int, float] = field(default_factory=dict)
+    """Each rank's longest-running I/O or pull job, in seconds (0: none runs)."""
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> OffloadWorkerMetadata:
         merged = super().aggregate(other)
         assert isinstance(merged, OffloadWorkerMetadata)
         merged.pending_io = {**self.pending_io, **getattr(other, "pending_io", {})}
+        merged.busy_s = {**self.busy_s, **getattr(other, "busy_s", {})}
         return merged

@@ -137,3 +137,6 @@ class OffloadConnector(OffloadHalves, KVConnectorBase):
 
     def reset_cache(self) -> bool | None:
         return self._sched().reset_cache()
+
+    def health(self) -> str | None:
+        return self.scheduler.health() if self.scheduler is not None else None

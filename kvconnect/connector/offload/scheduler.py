@@ -183,6 +183,7 @@ class OffloadScheduler:
         self._ready: list[KVCacheEvent] = []
         self._reset = False
         self.pending_io: dict[int, int] = {}  # rank -> I/O jobs it last reported
+        self.busy_s: dict[int, float] = {}  # rank -> its longest job's time, last reported
         # Work given to the workers and no output seen since; at start, the workers' tiers
         # announce what they already hold (a disk tier after a restart).
         self._unreported = True
@@ -392,6 +393,7 @@ class OffloadScheduler:
         self._unreported = False
         if isinstance(meta, OffloadWorkerMetadata):
             self.pending_io.update(meta.pending_io)
+            self.busy_s.update(meta.busy_s)
         for event in self.quorum.take_events():
             self._track(event)
             self._ready.append(event)
@@ -432,6 +434,18 @@ class OffloadScheduler:
             or any(self.pending_io.values())
             or self.quorum.num_pending > 0
             or (self.watcher is not None and self.watcher.has_removed)
+        )
+
+    def health(self) -> str | None:
+        """A rank whose I/O or pull job has run past `stuck_after_s` (its requests wait), as
+        its workers last reported it; None when none has."""
+        stuck = {r: s for r, s in self.busy_s.items() if s >= self.config.stuck_after_s}
+        if not stuck or not any(self.pending_io.values()):
+            return None
+        rank, seconds = max(stuck.items(), key=lambda kv: kv[1])
+        return (
+            f"offload: rank {rank}'s I/O has run one job for {seconds:.0f} s (a tier or peer "
+            "not answering); requests loading through it wait"
         )
 
     def take_events(self) -> list[KVCacheEvent]:

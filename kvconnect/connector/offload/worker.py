@@ -188,6 +188,7 @@ class OffloadWorker:
         self._resets = 0
         self._busy = False  # the I/O thread runs a job
         self._pulling = 0  # pull threads running a job
+        self._busy_since: dict[str, float] = {}  # thread name -> its job's start
         self._reported_pending = 0
         self.metadata_class = metadata_class
         self._stop = False
@@ -364,10 +365,12 @@ class OffloadWorker:
         with self._lock:
             events, self._events = self._events, []
             pending = self._num_pending()
+            now = time.monotonic()
+            busy = max((now - t for t in self._busy_since.values()), default=0.0)
         if not events and pending == self._reported_pending == 0:
             return None
         self._reported_pending = pending
-        return self.metadata_class({self.rank: events}, {self.rank: pending})
+        return self.metadata_class({self.rank: events}, {self.rank: pending}, {self.rank: busy})
 
     def _num_pending(self) -> int:
         """Jobs queued or running, on every lane (under `_lock`)."""
@@ -415,6 +418,7 @@ class OffloadWorker:
             finally:
                 with self._cond:
                     self._busy = False
+                    self._busy_since.pop(threading.current_thread().name, None)
                     self._cond.notify_all()
 
     def _next_job(self) -> IoJob | None:
@@ -424,6 +428,7 @@ class OffloadWorker:
             if self._stop:
                 return None
             self._busy = True
+            self._busy_since[threading.current_thread().name] = time.monotonic()
             if self._resets:  # resets carry nothing, so they are counted rather than queued
                 self._resets -= 1
                 return ResetJob()
@@ -437,6 +442,7 @@ class OffloadWorker:
                     return
                 job = self._pulls.popleft()
                 self._pulling += 1
+                self._busy_since[threading.current_thread().name] = time.monotonic()
             try:
                 self._load(job)
             except Exception:  # the thread must survive anything a peer sends
@@ -444,6 +450,7 @@ class OffloadWorker:
             finally:
                 with self._cond:
                     self._pulling -= 1
+                    self._busy_since.pop(threading.current_thread().name, None)
                     self._cond.notify_all()
 
     def _job_failed(self, job: IoJob) -> None:
