@@ -121,7 +121,7 @@ class PeerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     (peers/), in either form of `kv_transfer_params`: `remote_kv_source` {host, port},
     or a decode request's `do_remote_prefill` with the prefill instance's `remote_host` and
     `remote_port` (NixlConnector's handshake; a `do_remote_decode` request leases its chunks
-    and answers with those, leases.py)."""
+    and answers with those, peers/leases.py)."""
 
     port: Port
     """TP rank r serves on port + r (a request names a source by its rank 0's port)."""
@@ -372,7 +372,7 @@ class LoadSpec:
 
 @dataclass
 class LeaseSpec:
-    """P/D: chunks every worker keeps for a decode instance (leases.py)."""
+    """P/D: chunks every worker keeps for a decode instance (peers/leases.py)."""
 
     lease_id: str
     last_block_hashes: list[bytes]

@@ -22,7 +22,7 @@ that neither holds: the workers then pull those from it.
 
 P/D in NixlConnector's handshake (vLLM's toy proxy, llm-d's sidecar and kvconnect's router
 drive it unchanged): the request to P has `do_remote_decode: true` and runs as any other; its
-chunks are saved as they are computed. When it finishes, every worker leases them (leases.py:
+chunks are saved as they are computed. When it finishes, every worker leases them (peers/leases.py:
 kept in the cpu tier for `kv_lease_duration`), and the answer's `kv_transfer_params` name P's
 peer port. The request to D carries them: `do_remote_prefill` names the source, the load is
 a peer pull like `remote_kv_source`'s (the same checks), and D's ranks release the lease

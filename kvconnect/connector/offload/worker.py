@@ -65,7 +65,7 @@ from kvconnect.connector.offload.common import (
 from kvconnect.connector.offload.device import DeviceOps, Stream, device_ops_for
 from kvconnect.connector.offload.kinds import TierKind
 from kvconnect.connector.offload.layout import PagedKV, from_kv_planes
-from kvconnect.connector.offload.leases import Grant, Leases
+from kvconnect.connector.offload.peers.leases import Grant, Leases
 from kvconnect.connector.offload.peers.protocol import Served
 from kvconnect.connector.offload.peers.side import PeerSide
 from kvconnect.connector.offload.peers.transport import PeerKeys

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvconnect.connector.offload.common import ChunkInfo
-from kvconnect.connector.offload.leases import EARLY_RELEASE_S, Grant, Leases
+from kvconnect.connector.offload.peers.leases import EARLY_RELEASE_S, Grant, Leases
 from kvconnect.connector.offload.peers.protocol import Deadline, Hello, Served
 from kvconnect.connector.offload.peers.tcp import TcpPeerClient, TcpPeerServer
 from kvconnect.connector.offload.tiers.base import TierError

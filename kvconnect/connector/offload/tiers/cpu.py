@@ -2,7 +2,7 @@
 (a tail, a chunk of fewer blocks, fills the first part of its slot).
 
 A chunk under a lease (`leased(key)`, set by the worker: a decode instance will pull it,
-leases.py) is not evicted: the least recently used chunk not leased goes instead, and when
+peers/leases.py) is not evicted: the least recently used chunk not leased goes instead, and when
 every slot is leased the put fails (`TierError`: the store is dropped and counted)."""
 
 from __future__ import annotations
