@@ -26,7 +26,7 @@ rules that join fields. Every error is a `ValueError` naming the field.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Annotated, Any
 
@@ -35,7 +35,7 @@ import msgspec
 from kvconnect.config import KVTransferConfig
 from kvconnect.connector.events import KVEventsWorkerMetadata
 from kvconnect.connector.offload.kinds import KIND_NAMES, TierKind
-from kvconnect.events import ExternalBlockHash
+from kvconnect.events import BlockRemoved, BlockStored, ExternalBlockHash
 from kvconnect.messages import KVConnectorMetadata, KVConnectorWorkerMetadata
 
 GROUP_IDX, SPEC_KIND = 0, "full_attention"
@@ -341,6 +341,31 @@ class ChunkInfo:
     block_size: int
     extra_keys: tuple[tuple[Any, ...] | None, ...] | None = None
     """Per block, the extra keys events carry (untagged); None when no block has any."""
+
+
+def stored_event(info: ChunkInfo, kind: TierKind) -> BlockStored:
+    """A chunk in a tier, described in full (tokens, parent, extra keys), as the engine's own
+    events describe its blocks, so a router can check and use it on its own."""
+    return BlockStored(
+        list(info.block_hashes),
+        info.parent_block_hash,
+        list(info.token_ids),
+        info.block_size,
+        None,
+        kind.medium,
+        None,
+        extra_keys=list(info.extra_keys or [None] * len(info.block_hashes)),
+        group_idx=GROUP_IDX,
+        kv_cache_spec_kind=SPEC_KIND,
+        locality=kind.locality,
+    )
+
+
+def removed_event(block_hashes: Sequence[ExternalBlockHash], kind: TierKind) -> BlockRemoved:
+    """A chunk gone from a tier (its blocks' wire hashes), as the connector announces it."""
+    return BlockRemoved(
+        list(block_hashes), kind.medium, group_idx=GROUP_IDX, locality=kind.locality
+    )
 
 
 @dataclass

@@ -47,7 +47,6 @@ from kvconnect.connector.base import (
 )
 from kvconnect.connector.events import EventQuorum, KVEventsWorkerMetadata
 from kvconnect.connector.offload.common import (
-    GROUP_IDX,
     ChunkInfo,
     LeaseSpec,
     LoadSpec,
@@ -58,6 +57,7 @@ from kvconnect.connector.offload.common import (
     TierConfig,
     chunk_key,
     key_namespace,
+    removed_event,
 )
 from kvconnect.connector.offload.kinds import TierKind
 from kvconnect.connector.offload.lookup import PrefixLookup
@@ -453,9 +453,7 @@ class OffloadScheduler:
         if self.watcher is not None and self._shared_kind is not None:
             kind = self._shared_kind
             for last, hashes in self.watcher.take_removed():
-                ready.append(
-                    BlockRemoved(hashes, kind.medium, group_idx=GROUP_IDX, locality=kind.locality)
-                )
+                ready.append(removed_event(hashes, kind))
                 self._shared_gone.append(last)
         return ready
 

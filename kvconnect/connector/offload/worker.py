@@ -52,8 +52,6 @@ import torch
 
 from kvconnect.connector.base import KVConnectorContext, KVConnectorStats
 from kvconnect.connector.offload.common import (
-    GROUP_IDX,
-    SPEC_KIND,
     ChunkInfo,
     LoadSpec,
     OffloadConfig,
@@ -61,9 +59,10 @@ from kvconnect.connector.offload.common import (
     OffloadWorkerMetadata,
     chunk_key,
     key_namespace,
+    removed_event,
+    stored_event,
 )
 from kvconnect.connector.offload.device import DeviceOps, Stream, device_ops_for
-from kvconnect.connector.offload.kinds import TierKind
 from kvconnect.connector.offload.layout import PagedKV, from_kv_planes
 from kvconnect.connector.offload.peers.leases import Grant, Leases
 from kvconnect.connector.offload.peers.protocol import Served
@@ -82,36 +81,12 @@ from kvconnect.connector.offload.tiers.base import (
     pack,
 )
 from kvconnect.connector.offload.tiers.cpu import CpuTier
-from kvconnect.events import BlockRemoved, BlockStored, KVCacheEvent
+from kvconnect.events import KVCacheEvent
 
 logger = logging.getLogger(__name__)
 
 PULL_THREADS = 2
 """Loads that pull from peers at once (each its own source's connection and buffers)."""
-
-
-def stored_event(info: ChunkInfo, kind: TierKind) -> BlockStored:
-    """A chunk in a tier, described in full (tokens, parent, extra keys), as the engine's own
-    events describe its blocks, so a router can check and use it on its own."""
-    return BlockStored(
-        list(info.block_hashes),
-        info.parent_block_hash,
-        list(info.token_ids),
-        info.block_size,
-        None,
-        kind.medium,
-        None,
-        extra_keys=list(info.extra_keys or [None] * len(info.block_hashes)),
-        group_idx=GROUP_IDX,
-        kv_cache_spec_kind=SPEC_KIND,
-        locality=kind.locality,
-    )
-
-
-def removed_event(info: ChunkInfo, kind: TierKind) -> BlockRemoved:
-    return BlockRemoved(
-        list(info.block_hashes), kind.medium, group_idx=GROUP_IDX, locality=kind.locality
-    )
 
 
 @dataclass(frozen=True)
@@ -521,7 +496,7 @@ class OffloadWorker:
             (j for j in range(index + 1, len(self.tiers)) if not self.tiers[j].shared), None
         )
         for ev in evicted:
-            self._emit(removed_event(ev.info, tier.kind))
+            self._emit(removed_event(ev.info.block_hashes, tier.kind))
             with self._lock:
                 self._count(f"num_{tier.kind}_evictions")
             if below is not None and ev.data is not None:
@@ -658,7 +633,7 @@ class OffloadWorker:
         except TierError as e:
             self._tier_failed(tier, e)
             if not tier.shared:  # the bad entry is gone from the tier
-                self._emit(removed_event(info, tier.kind))
+                self._emit(removed_event(info.block_hashes, tier.kind))
             return None
         if found is None:
             return None
@@ -696,7 +671,7 @@ class OffloadWorker:
             with self._guard(index):
                 held = info if dropped else tier.remove(key)
             if held is not None:
-                self._emit(removed_event(held, tier.kind))
+                self._emit(removed_event(held.block_hashes, tier.kind))
 
     def _reset(self) -> None:
         """Empty the local tiers, announcing exactly what each dropped (a shared tier is not
@@ -704,7 +679,7 @@ class OffloadWorker:
         for i, tier in enumerate(self.tiers):
             with self._guard(i):
                 dropped = tier.clear()
-            self._emit(*(removed_event(info, tier.kind) for _, info in dropped))
+            self._emit(*(removed_event(info.block_hashes, tier.kind) for _, info in dropped))
 
     # -- serving peers (the peer server's threads) and leases (P/D) -----------------------------
 
