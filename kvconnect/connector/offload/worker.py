@@ -20,26 +20,18 @@ tier only, under that tier's lock.
 - PULL_THREADS pull threads: loads that pull from a peer (peers/side.py), each bounded by its
   deadline, so a slow or hostile source holds one of them, never the stores or other loads.
 - The peer server's threads serve this rank's chunks to other instances (`_serve_read`).
-Each local tier has a lock, held for every call into it but `contains` and for as long as
-anyone copies out of its memory (a cpu slot read is never overwritten by another thread's
-store meanwhile); a shared tier is called without one. `_lock` guards the counters, events
-and queues; no tier lock is taken while holding it.
+The tiers and their locks are `rank_tiers.RankTiers` (each local tier's lock held for every
+call into it and for as long as anyone copies out of its memory); what they find and do is
+reported in a `rank_tiers.Report` (events, counters). `_cond` guards the lanes' queues and the
+finished loads; no tier lock is taken while holding it.
 
 The cache is read through `layout.PagedKV` (any layout, one gather and one scatter) and
 copied with `device.DeviceOps` (synchronous for a host cache; a stream, events and pinned
 buffers for CUDA): a load is reported finished only after its copy into the cache is done.
-What a tier returns must be the chunk asked for: its entry's token ids, parent hash, block
-hashes and block size equal the scheduler's, its data has this rank's chunk shape and dtype
-(`tiers.base.mismatch`; a key names only the last block's hash, and a shared tier holds what
-anyone wrote). An entry that is not, or fails its signature, is a miss like an absent one,
-counted in `num_integrity_misses`; a local tier drops it and announces its BlockRemoved (as it
-does a corrupt entry), a shared one is not ours to change: this rank forgets it wrote it, so
-the next save of the chunk writes it again.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
@@ -59,8 +51,6 @@ from kvconnect.connector.offload.common import (
     OffloadWorkerMetadata,
     chunk_key,
     key_namespace,
-    removed_event,
-    stored_event,
 )
 from kvconnect.connector.offload.device import DeviceOps, Stream, device_ops_for
 from kvconnect.connector.offload.layout import PagedKV, from_kv_planes
@@ -68,20 +58,10 @@ from kvconnect.connector.offload.peers.leases import Grant, Leases
 from kvconnect.connector.offload.peers.protocol import Served
 from kvconnect.connector.offload.peers.side import PeerSide
 from kvconnect.connector.offload.peers.transport import PeerKeys
-from kvconnect.connector.offload.tiers import TierPlacement, create_tier
-from kvconnect.connector.offload.tiers.base import (
-    Evicted,
-    IntegrityError,
-    StoredChunk,
-    Tier,
-    TierError,
-    TierTooSmall,
-    TierUnavailable,
-    mismatch,
-    pack,
-)
+from kvconnect.connector.offload.rank_tiers import RankTiers, Report
+from kvconnect.connector.offload.tiers import TierPlacement
+from kvconnect.connector.offload.tiers.base import Tier
 from kvconnect.connector.offload.tiers.cpu import CpuTier
-from kvconnect.events import KVCacheEvent
 
 logger = logging.getLogger(__name__)
 
@@ -134,20 +114,16 @@ class OffloadWorker:
         self.namespace = key_namespace(
             context.model_name, context.model_fingerprint, context.block_size, config.chunk_size
         )
-        self.tiers: list[Tier] = []
-        self._local: list[int] = []  # indices of the local tiers (cpu, disk), in order
-        self._locks: list[contextlib.AbstractContextManager[Any]] = []  # per tier (`_guard`)
+        self.report = Report()
+        self.local_tiers: RankTiers | None = None  # made with the cache (`register_paged_kv`)
         self.placement = TierPlacement(context.world_size, self.rank, namespace=self.namespace)
         self.paged: PagedKV | None = None
         self.device_ops = device_ops
         self._unfenced: list[Any] = []  # copies that read blocks, not yet waited for by compute
-        self._lock = threading.Lock()  # guards what the threads share with the step
-        self._events: list[KVCacheEvent] = []
+        self._cond = threading.Condition()  # guards the lanes' queues and the finished loads
         self._finished_loads: set[str] = set()
         self._finished_saves: set[str] = set()  # step thread only
         self._load_errors: set[int] = set()
-        self._stats: dict[str, int] = {}
-        self._cond = threading.Condition(self._lock)
         self._loads: deque[LoadJob] = deque()
         self._stores: deque[StoreJob] = deque()
         self._pulls: deque[LoadJob] = deque()
@@ -159,7 +135,6 @@ class OffloadWorker:
         )
         self.peers: PeerSide | None = None
         self.peer_keys = PeerKeys.from_config(config)  # a wrong key file fails the start
-        self._written_shared: set[str] = set()  # keys this rank put in shared tiers
         self._resets = 0
         self._busy = False  # the I/O thread runs a job
         self._pulling = 0  # pull threads running a job
@@ -168,6 +143,14 @@ class OffloadWorker:
         self.metadata_class = metadata_class
         self._stop = False
         self._threads: list[threading.Thread] = []
+
+    @property
+    def tiers(self) -> list[Tier]:
+        return self.local_tiers.tiers if self.local_tiers is not None else []
+
+    def _local(self) -> RankTiers:
+        assert self.local_tiers is not None, "register_kv_caches first"
+        return self.local_tiers
 
     # -- setup ------------------------------------------------------------------------------
 
@@ -193,33 +176,19 @@ class OffloadWorker:
             paged.dtype,
             self.namespace,
         )
-        self.tiers = []
-        for t in self.config.tiers:
-            try:
-                self.tiers.append(create_tier(t, placement))
-            except TierTooSmall as e:  # the chunk size is known only here, with the cache
-                logger.warning("offload: %s; running without that tier", e)
-        self._local = [i for i, t in enumerate(self.tiers) if not t.shared]
-        self._locks = [
-            contextlib.nullcontext() if t.shared else threading.RLock() for t in self.tiers
-        ]
-        for i, tier in enumerate(self.tiers):
+        self.local_tiers = tiers = RankTiers(self.config.tiers, placement, self.report)
+        for tier in tiers.tiers:
             if isinstance(tier, CpuTier):
                 tier.leased = self.leases.__contains__
                 if self.leases.capacity is None:  # the first cpu tier's slots bound the leases
                     self.leases.capacity = tier.num_slots
-                # What it evicts is demoted to a local tier below it, or dropped: then its
-                # data is not copied out (a fresh 12 MB per eviction, and its page faults).
-                tier.keep_evicted = any(j > i for j in self._local)
-        for tier in self.tiers:
-            for _, info in tier.entries():  # found again after a restart
-                self._events.append(stored_event(info, tier.kind))
         lanes = [("kv-offload-io", self._io_loop)]
         peer = self.config.peer
         if peer is not None:
+            mac = self.peer_keys.mac
             served = Served(
-                self._held_prefix,
-                self._serve_read,
+                tiers.held_prefix,
+                lambda key: tiers.read(key, mac),
                 self._release_lease,
                 self._settling,
                 peer.timeout_s / 2,
@@ -233,11 +202,6 @@ class OffloadWorker:
 
     def _key(self, info: ChunkInfo) -> str:
         return chunk_key(self.namespace, self.context.world_size, self.rank, info.last_block_hash)
-
-    def _guard(self, index: int) -> contextlib.AbstractContextManager[Any]:
-        """What a call into tier `index` holds: its own lock for a local tier; nothing for a
-        shared one (a round trip must not hold up a peer)."""
-        return self._locks[index]
 
     # -- step ---------------------------------------------------------------------------------
 
@@ -274,22 +238,21 @@ class OffloadWorker:
         return self.device_ops
 
     def wait_for_save(self, meta: OffloadMetadata) -> None:
+        tiers = self._local()
         if meta.shared_gone:  # Redis dropped them: the next save of each writes it again
             world = self.context.world_size
-            with self._lock:
-                for last in meta.shared_gone:
-                    self._written_shared.discard(chunk_key(self.namespace, world, self.rank, last))
+            keys = [chunk_key(self.namespace, world, self.rank, h) for h in meta.shared_gone]
+            tiers.forget_shared(keys)
         ready = None
         for save in meta.saves:
             key = self._key(save.chunk)
-            if any(self.tiers[i].contains(key) for i in self._local) or (
-                self._only_shared() and key in self._written_shared
-            ):
+            if tiers.contains_locally(key) or (tiers.only_shared() and tiers.written(key)):
                 continue
-            with self._lock:
-                if len(self._stores) >= self.config.max_pending_stores:
-                    self._count("num_stores_dropped")
-                    continue
+            with self._cond:
+                full = len(self._stores) >= self.config.max_pending_stores
+            if full:
+                self.report.count("num_stores_dropped")
+                continue
             if ready is None:  # once per step: the forward that wrote these blocks
                 ready = self._ops().record(Stream.COMPUTE)
             job = self._copy_out(key, save.chunk, save.block_ids, ready)
@@ -313,13 +276,10 @@ class OffloadWorker:
             self._unfenced.append(copied)
         return StoreJob(key, info, data, copied)
 
-    def _only_shared(self) -> bool:
-        return all(t.shared for t in self.tiers)
-
     def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
         """(requests whose last saves are copied out, requests whose loads are done)."""
         saved, self._finished_saves = self._finished_saves, set()
-        with self._lock:
+        with self._cond:
             done, self._finished_loads = self._finished_loads, set()
         return saved or None, done or None
 
@@ -330,35 +290,31 @@ class OffloadWorker:
             return self._cond.wait_for(lambda: bool(self._finished_loads), timeout)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        with self._lock:
+        with self._cond:
             errors, self._load_errors = self._load_errors, set()
         return errors
 
     def build_connector_worker_meta(self) -> OffloadWorkerMetadata | None:
-        """The events since the last call, and how many I/O jobs are left (sent whenever it
-        is not zero or has just become zero)."""
-        with self._lock:
-            events, self._events = self._events, []
+        """The events since the last call, how many I/O jobs are left (sent whenever it is
+        not zero or has just become zero) and how long the longest has run."""
+        with self._cond:  # first: a job that ends after this has emitted its events by then
             pending = self._num_pending()
             now = time.monotonic()
             busy = max((now - t for t in self._busy_since.values()), default=0.0)
+        events = self.report.take_events()
         if not events and pending == self._reported_pending == 0:
             return None
         self._reported_pending = pending
         return self.metadata_class({self.rank: events}, {self.rank: pending}, {self.rank: busy})
 
     def _num_pending(self) -> int:
-        """Jobs queued or running, on every lane (under `_lock`)."""
+        """Jobs queued or running, on every lane (under `_cond`)."""
         queued = len(self._loads) + len(self._stores) + len(self._pulls) + self._resets
         return queued + self._busy + self._pulling
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        with self._lock:
-            stats, self._stats = self._stats, {}
+        stats = self.report.take_stats()
         return KVConnectorStats(stats) if stats else None
-
-    def _count(self, name: str, n: int = 1) -> None:
-        self._stats[name] = self._stats.get(name, 0) + n
 
     def drain(self, timeout: float = 10.0) -> bool:
         """Wait until every lane is idle (tests and shutdown)."""
@@ -376,11 +332,8 @@ class OffloadWorker:
             thread.join(timeout=5.0)
         if self.peers is not None:  # the pull threads' clients, now that they are done
             self.peers.close()
-        with contextlib.ExitStack() as held:  # a peer's read still in flight finishes first
-            for lock in self._locks:
-                held.enter_context(lock)
-            for tier in self.tiers:
-                tier.close()
+        if self.local_tiers is not None:  # a peer's read still in flight finishes first
+            self.local_tiers.close()
 
     # -- the lanes ----------------------------------------------------------------------------
 
@@ -430,77 +383,30 @@ class OffloadWorker:
 
     def _job_failed(self, job: IoJob) -> None:
         logger.exception("offload I/O job failed")
-        with self._lock:
-            self._count("num_errors")
-            if isinstance(job, LoadJob):
+        self.report.count("num_errors")
+        if isinstance(job, LoadJob):
+            with self._cond:
                 self._finished_loads.add(job.spec.request_id)
                 self._load_errors.update(b for ids in job.spec.block_ids for b in ids)
 
     def _run(self, job: IoJob) -> None:
+        tiers = self._local()
         if isinstance(job, ResetJob):
-            self._reset()
+            tiers.reset()
         elif isinstance(job, LoadJob):
             self._load(job)
         else:
             try:
                 ops = self._ops()
                 ops.synchronize(job.copied)
-                self._store(job.key, job.chunk, ops.release(job.data))
+                whole = len(job.chunk.block_hashes) == self.config.blocks_per_chunk
+                tiers.store(job.key, job.chunk, ops.release(job.data), whole)
+                self.report.count("num_chunks_stored")
             finally:
-                with self._lock:
+                with self._cond:
                     self._storing[job.key] -= 1
                     if self._storing[job.key] <= 0:
                         del self._storing[job.key]
-
-    def _emit(self, *events: KVCacheEvent) -> None:
-        with self._lock:
-            self._events.extend(events)
-
-    # -- stores -------------------------------------------------------------------------------
-
-    def _store(self, key: str, info: ChunkInfo, data: torch.Tensor) -> None:
-        local = self._local
-        if local:
-            self._put(local[0], key, info, data)
-        # A tail (fewer blocks than a chunk) stays local: only this instance looks for one.
-        whole = len(info.block_hashes) == self.config.blocks_per_chunk
-        for i, tier in enumerate(self.tiers):
-            if tier.shared and whole:
-                self._put(i, key, info, data)
-        with self._lock:
-            self._count("num_chunks_stored")
-
-    def _put(self, index: int, key: str, info: ChunkInfo, data: torch.Tensor) -> None:
-        """Put into tier `index`, demoting what it evicts to the next local tier."""
-        tier = self.tiers[index]
-        # A shared tier is written through: asking it first cost a round trip (and, with the
-        # server hung, a timeout) whose answer was not used.
-        try:
-            with self._guard(index):
-                if not tier.shared and tier.contains(key):
-                    return
-                evicted = tier.put(key, info, data)
-        except TierError as e:
-            self._tier_failed(tier, e)
-            return
-        self._emit(stored_event(info, tier.kind))
-        with self._lock:
-            self._count(f"{tier.kind}_bytes_stored", data.numel() * data.element_size())
-            if tier.shared:
-                self._written_shared.add(key)
-        self._evicted(index, evicted)
-
-    def _evicted(self, index: int, evicted: list[Evicted]) -> None:
-        tier = self.tiers[index]
-        below = next(
-            (j for j in range(index + 1, len(self.tiers)) if not self.tiers[j].shared), None
-        )
-        for ev in evicted:
-            self._emit(removed_event(ev.info.block_hashes, tier.kind))
-            with self._lock:
-                self._count(f"num_{tier.kind}_evictions")
-            if below is not None and ev.data is not None:
-                self._put(below, ev.key, ev.info, ev.data)
 
     # -- loads --------------------------------------------------------------------------------
 
@@ -509,31 +415,28 @@ class OffloadWorker:
         lock is held while its slots are copied out, so no store overwrites them meanwhile.
         A chunk gone since the scheduler planned it is a load error (recomputed), as is every
         chunk once the worker is shut down (its tiers are closed)."""
-        cpu = next((i for i in self._local if isinstance(self.tiers[i], CpuTier)), None)
+        tiers = self._local()
+        cpu = tiers.cpu_tier()
         failed: set[int] = set()
         if cpu is None or self._stop:
             failed = {b for ids in job.spec.block_ids for b in ids}
         else:
-            with self._guard(cpu):
+            with tiers.guard(cpu):
                 failed = self._scatter_all(
-                    job, lambda _, key, info, use: self._fetch_from(cpu, key, info, use)
+                    job, lambda _, key, info, use: tiers.fetch_from(cpu, key, info, use)
                 )
-        with self._lock:
-            self._count("num_chunks_loaded", len(job.spec.chunks))
-            if failed:
-                self._count("num_load_errors")
-                self._load_errors |= failed
+        self._loaded(job, failed, finished=False)
 
     def _load(self, job: LoadJob) -> None:
         """A queued load (the I/O thread's, or a pull thread's when it names a source): the
         chunks from this instance's tiers, then those pulled from the source; reported
         finished once the blocks hold the KV."""
-        spec = job.spec
+        spec, tiers = job.spec, self._local()
         pulled = None
         if spec.source is not None:
             assert self.peers is not None, "a pull planned without a peer config"
             wanted = [(self._key(info), info) for info in spec.chunks[spec.from_source :]]
-            pulled = self.peers.pull(spec.source, wanted, _PullInto(self))
+            pulled = self.peers.pull(spec.source, wanted, _PullInto(tiers, self.report))
 
         def chunk(k: int, key: str, info: ChunkInfo, use: Callable[[torch.Tensor], None]) -> bool:
             if pulled is not None and k >= spec.from_source:
@@ -542,7 +445,7 @@ class OffloadWorker:
                     return False
                 use(data)  # before the next chunk is read into the buffers or committed
                 return True
-            return self._fetch(key, info, use)
+            return tiers.fetch(key, info, use)
 
         try:
             failed = self._scatter_all(job, chunk)
@@ -551,15 +454,20 @@ class OffloadWorker:
         finally:
             if pulled is not None:
                 pulled.close()
-        with self._lock:
-            self._count("num_chunks_loaded", len(spec.chunks))
-            if failed:
-                self._count("num_load_errors")
-                self._load_errors |= failed
-            self._finished_loads.add(spec.request_id)
-            self._cond.notify_all()
+        self._loaded(job, failed, finished=True)
         if spec.source is not None and spec.lease is not None and self.peers is not None:
             self.peers.release(spec.source, spec.lease)  # after the load is reported
+
+    def _loaded(self, job: LoadJob, failed: set[int], finished: bool) -> None:
+        """Count a load; its blocks that failed are recomputed; an async one is `finished`."""
+        self.report.count("num_chunks_loaded", len(job.spec.chunks))
+        if failed:
+            self.report.count("num_load_errors")
+        with self._cond:
+            self._load_errors |= failed
+            if finished:
+                self._finished_loads.add(job.spec.request_id)
+                self._cond.notify_all()
 
     def _scatter_all(
         self,
@@ -590,98 +498,7 @@ class OffloadWorker:
         ops.synchronize(copied)  # finished only once the blocks hold the KV
         return failed
 
-    def _fetch(self, key: str, info: ChunkInfo, use: Callable[[torch.Tensor], None]) -> bool:
-        """Chunk `key` from the first tier that holds it, `use`d while its tier's lock is held;
-        a hit below the first local tier moves up. Whether any tier held it."""
-        for i in range(len(self.tiers)):
-            if self._fetch_from(i, key, info, use):
-                return True
-        logger.warning("offload: chunk %s found in no tier", key)
-        return False
-
-    def _fetch_from(
-        self, index: int, key: str, info: ChunkInfo, use: Callable[[torch.Tensor], None]
-    ) -> bool:
-        local, tier = self._local, self.tiers[index]
-        promoted = None
-        with self._guard(index):
-            found = self._checked(index, key, info)
-            if found is None:
-                return False
-            data = found.data
-            use(data)
-            if local and index != local[0]:  # a hit further down moves up
-                promoted = data.clone()
-        with self._lock:
-            self._count(f"{tier.kind}_hits")
-            self._count(f"{tier.kind}_bytes_loaded", data.numel() * data.element_size())
-        if promoted is not None:
-            self._put(local[0], key, info, promoted)
-        return True
-
-    def _checked(self, index: int, key: str, info: ChunkInfo) -> StoredChunk | None:
-        """Tier `index`'s entry for `key` if it is the chunk `info` describes; None otherwise
-        (absent, unreadable, or another chunk: then dropped from a local tier and
-        announced)."""
-        tier = self.tiers[index]
-        try:
-            with self._guard(index):
-                found = tier.load(key)
-        except IntegrityError as e:
-            self._integrity_miss(index, key, info, str(e), dropped=True)
-            return None
-        except TierError as e:
-            self._tier_failed(tier, e)
-            if not tier.shared:  # the bad entry is gone from the tier
-                self._emit(removed_event(info.block_hashes, tier.kind))
-            return None
-        if found is None:
-            return None
-        why = mismatch(info, found, self.placement)
-        if why is None:
-            return found
-        self._integrity_miss(index, key, info, f"chunk {key}: {why}", dropped=False)
-        return None
-
-    def _tier_failed(self, tier: Tier, e: TierError) -> None:
-        """Count a failed put or load in `num_<kind>_errors`, and a fast failure (the tier
-        backing off, nothing tried) also in `num_<kind>_fast_failures`: logged only at debug
-        level, as the tier logged the failure that started the back-off."""
-        fast = isinstance(e, TierUnavailable)
-        logger.log(logging.DEBUG if fast else logging.WARNING, "offload: %s", e)
-        with self._lock:
-            self._count(f"num_{tier.kind}_errors")
-            if fast:
-                self._count(f"num_{tier.kind}_fast_failures")
-
-    def _integrity_miss(
-        self, index: int, key: str, info: ChunkInfo, why: str, dropped: bool
-    ) -> None:
-        """An entry that is not the chunk asked for: a miss, counted and logged; a local tier
-        loses it (announced: BlockRemoved of what it had announced), a shared tier is only
-        written again by this rank's next save of the chunk."""
-        tier = self.tiers[index]
-        logger.warning("offload: %s tier: integrity miss: %s", tier.kind, why)
-        with self._lock:
-            self._count("num_integrity_misses")
-            self._count(f"num_{tier.kind}_integrity_misses")
-            if tier.shared:
-                self._written_shared.discard(key)
-        if not tier.shared:
-            with self._guard(index):
-                held = info if dropped else tier.remove(key)
-            if held is not None:
-                self._emit(removed_event(held.block_hashes, tier.kind))
-
-    def _reset(self) -> None:
-        """Empty the local tiers, announcing exactly what each dropped (a shared tier is not
-        ours to empty), so a router keeps what the engine itself still holds."""
-        for i, tier in enumerate(self.tiers):
-            with self._guard(i):
-                dropped = tier.clear()
-            self._emit(*(removed_event(info.block_hashes, tier.kind) for _, info in dropped))
-
-    # -- serving peers (the peer server's threads) and leases (P/D) -----------------------------
+    # -- leases (P/D) and what the peer server asks ---------------------------------------------
 
     def _lease(self, meta: OffloadMetadata) -> None:
         """Grant the step's leases (P/D) on this rank's keys of their chunks; end the ones
@@ -695,110 +512,57 @@ class OffloadWorker:
             if ttl > 0:
                 done[self.leases.grant(lease.lease_id, keys, ttl, lease.owner)] += 1
         expired = self.leases.expire()
-        with self._lock:
-            if meta.leases:
-                self._count("num_leases_granted", len(meta.leases) - done[Grant.REFUSED])
-            if done[Grant.RELEASED]:  # its decode instance was faster than this step
-                self._count("num_leases_released", done[Grant.RELEASED])
-            if done[Grant.REFUSED]:
-                self._count("num_leases_refused", done[Grant.REFUSED])
-            if expired:
-                self._count("num_leases_expired", expired)
+        if meta.leases:
+            self.report.count("num_leases_granted", len(meta.leases) - done[Grant.REFUSED])
+        if done[Grant.RELEASED]:  # its decode instance was faster than this step
+            self.report.count("num_leases_released", done[Grant.RELEASED])
+        if done[Grant.REFUSED]:
+            self.report.count("num_leases_refused", done[Grant.REFUSED])
+        if expired:
+            self.report.count("num_leases_expired", expired)
 
     def _release_lease(self, lease_id: str) -> bool:
-        """A decode instance has pulled what it leased."""
+        """For a peer (its server's thread): a decode instance has pulled what it leased."""
         released = self.leases.release(lease_id)
         if released:
-            with self._lock:
-                self._count("num_leases_released")
+            self.report.count("num_leases_released")
         return released
 
-    def _held_prefix(self, keys: list[str]) -> int:
-        """How many of `keys`, from the first, a local tier holds (`contains` may be called
-        from any thread). The server asks once none of them is `_settling`, or half the peer
-        timeout later."""
-        local = [self.tiers[i] for i in self._local]
-        num = 0
-        while num < len(keys) and any(t.contains(keys[num]) for t in local):
-            num += 1
-        return num
-
     def _settling(self, keys: list[str]) -> bool:
-        """Whether a chunk of `keys` is on its way to a tier (its store queued: the request
-        that computed it may have answered already, as a P/D prefill does at once)."""
-        with self._lock:
+        """For a peer (its server's thread): whether a chunk of `keys` is on its way to a
+        tier (its store queued: the request that computed it may have answered already, as a
+        P/D prefill does at once)."""
+        with self._cond:
             return any(k in self._storing for k in keys)
-
-    def _serve_read(self, key: str) -> list[Any] | None:
-        """Chunk `key` serialised, `pack`'s parts, or None if no local tier holds it. The
-        payload is a view of the tier's own memory (sent without a copy), its checksum taken
-        under the tier's lock, so no store writes the slot meanwhile. Should a later store
-        reuse a cpu slot while its bytes are still being sent, the peer receives bytes that
-        do not match that checksum (or signature) and refuses the chunk: a recompute, never
-        wrong KV."""
-        mac = self.peer_keys.mac
-        for i in self._local:
-            with self._guard(i):
-                try:
-                    found = self.tiers[i].load(key)
-                except TierError:
-                    continue
-                if found is not None:
-                    with self._lock:
-                        self._count("peer_chunks_served")
-                    return list(pack(key, found.info, found.data, mac))
-        return None
 
 
 class _PullInto:
     """Where one load's pulled chunks go (`peers.side.PullTarget`): a whole chunk is received
-    straight into a slot of the worker's first local tier when that is a cpu tier (reserved,
-    evicting as a put would), committed once checked and scattered; otherwise it is put
-    there from the pull's buffers."""
+    straight into a reserved slot of the first local tier when that is a cpu tier, committed
+    once checked and scattered; otherwise it is put there from the pull's buffers."""
 
-    def __init__(self, worker: OffloadWorker) -> None:
-        self.worker = worker
-        self.index = worker._local[0] if worker._local else None
-        tier = worker.tiers[self.index] if self.index is not None else None
-        self.cpu = tier if isinstance(tier, CpuTier) else None
+    def __init__(self, tiers: RankTiers, report: Report) -> None:
+        self.tiers, self.report = tiers, report
         self.slots: dict[str, int] = {}
 
     def take(self, key: str, n: int) -> memoryview | None:
-        if self.cpu is None or self.index is None or n != self.cpu.slot_bytes:
-            return None
-        with self.worker._guard(self.index):
-            got = self.cpu.reserve(key)
+        got = self.tiers.reserve(key, n)
         if got is None:
             return None
-        slot, view, evicted = got
-        self.slots[key] = slot
-        self.worker._evicted(self.index, evicted)
-        return view
+        self.slots[key] = got[0]
+        return got[1]
 
     def keep(self, key: str, info: ChunkInfo, data: torch.Tensor) -> None:
-        worker, index = self.worker, self.index
-        if index is None:
-            return
         slot = self.slots.pop(key, None)
-        if slot is None or self.cpu is None:
-            worker._put(index, key, info, data)
-            return
-        try:
-            with worker._guard(index):
-                self.cpu.commit(slot, key, info)
-        except TierError as e:
-            worker._tier_failed(self.cpu, e)
-            return
-        worker._emit(stored_event(info, self.cpu.kind))
-        with worker._lock:
-            worker._count(f"{self.cpu.kind}_bytes_stored", data.numel() * data.element_size())
+        if slot is not None:
+            self.tiers.commit(slot, key, info, data)
+        elif self.tiers.local:
+            self.tiers.put(self.tiers.local[0], key, info, data)
 
     def drop(self, key: str) -> None:
         slot = self.slots.pop(key, None)
-        if slot is not None and self.cpu is not None and self.index is not None:
-            with self.worker._guard(self.index):
-                self.cpu.unreserve(slot)
+        if slot is not None:
+            self.tiers.unreserve(slot)
 
     def count(self, name: str, n: int = 1) -> None:
-        with self.worker._lock:
-            self.worker._count(name, n)
+        self.report.count(name, n)
