@@ -1,7 +1,8 @@
 """Which instance holds which block, in which tier, built from the instances' KV event streams.
 
     entries:  block key -> (instance slot, generation, tier)    one holder, count 1
-                           | {(instance slot, generation, tier): count}   (LRU ordered)
+                           | {(instance slot, generation, tier): count}
+              in store order (a plain dict: a store takes its hash out and puts it back last)
 
 A tier is an event's medium and locality as one label (`events.tier_of`): GPU, CPU,
 STORAGE/LOCAL, STORAGE/REMOTE (vLLM 0.33's words; the older DISK and EXTERNAL read as the
@@ -17,7 +18,8 @@ that one name is used by the index, the scorer, metrics and logs.
   generation: O(1), old entries stop counting and are swept lazily.
 - `STORAGE/REMOTE` blocks (a store shared by the instances, e.g. Redis) count for every
   instance.
-- A cap on entries evicts the least recently stored hashes (counted).
+- A cap on entries evicts the least recently stored hashes, 1/64 of the cap at a time
+  (counted).
 
 Per instance, the index learns from the stream (see `schemes.py`) its block size and its hash
 scheme: the first `BlockStored` that starts a prefix and carries its tokens is checked against
@@ -37,9 +39,10 @@ Single-threaded: the router serialises `apply_*` and `score` itself.
 from __future__ import annotations
 
 import logging
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Iterable, KeysView, Sequence
 from dataclasses import dataclass, field
+from itertools import islice
 
 from kvconnect.events import (
     MEDIUM_STORAGE,
@@ -84,6 +87,8 @@ UNKNOWN_TIER_WEIGHT = 0.1
 """A tier no weight names: some credit (it holds the block somewhere), less than any known."""
 
 Key = tuple[int, int, str]  # (instance slot, generation, tier)
+EVICT_CHUNK = 64
+"""Past `max_entries`, the index evicts down to max_entries - max_entries // EVICT_CHUNK."""
 
 
 @dataclass
@@ -120,6 +125,8 @@ class _Instance:
     router_keys: RouterKeys | None = None
     """Set when no known scheme reproduces its events: entries are keyed by the router."""
     hash_mismatches: int = 0
+    keys: dict[str, Key] = field(default_factory=dict)
+    """Per tier, the holder key of its entries (`BlockIndex._key`)."""
     num_blocks: int = 0
     """Blocks announced and not taken back, all media (a clear resets it): how much it
     holds, which breaks ties between instances equally good for a request."""
@@ -179,7 +186,9 @@ class BlockIndex:
         self.instances: dict[str, _Instance] = {}
         self._by_slot: list[_Instance] = []
         # One holder with count 1 (most blocks) is its key alone: no dict per entry.
-        self._entries: OrderedDict[ExternalBlockHash, Key | dict[Key, int]] = OrderedDict()
+        # A plain dict in store order (a store moves its key to the end): an OrderedDict's
+        # links and node table cost 60-80 bytes an entry more (bench/replicas.py).
+        self._entries: dict[ExternalBlockHash, Key | dict[Key, int]] = {}
         self.stats = IndexStats()
         self.memo = ChainMemo(memo_blocks)
 
@@ -232,7 +241,7 @@ class BlockIndex:
             self._instance(instance).stale = False
 
     def apply_batch(self, instance: str, batch: KVEventBatch) -> None:
-        """The hot path: one dict operation per block, no allocation per existing entry."""
+        """The hot path: a pop and an insert per block, no allocation per existing entry."""
         inst = self._instance(instance)
         stats = self.stats
         stats.batches_applied += 1
@@ -252,30 +261,47 @@ class BlockIndex:
         keys = event.block_hashes
         if inst.router_keys is not None:
             keys = inst.router_keys.store(event)
-        entries, stats, by_slot = self._entries, self.stats, self._by_slot
-        move_to_end, max_entries = entries.move_to_end, self.max_entries
+        entries, by_slot = self._entries, self._by_slot
+        pop = entries.pop
         tier = tier_of(event.medium, event.locality)
         if tier not in self.tier_weights:
             self._unknown_tier(tier)
-        key = (inst.slot, inst.generation, tier)
+        key = self._key(inst, tier)
         inst.num_blocks += len(keys)
         for h in keys:
-            holders = entries.get(h)
+            holders = pop(h, None)  # stored again: back in at the end (the newest)
             if holders is None:
                 entries[h] = key
-                if len(entries) > max_entries:
-                    entries.popitem(last=False)
-                    stats.entries_evicted += 1
-                continue
-            move_to_end(h)
-            if type(holders) is dict:
+            elif type(holders) is dict:
                 holders[key] = holders.get(key, 0) + 1
+                entries[h] = holders
             elif holders == key:
                 entries[h] = {key: 2}
             elif by_slot[holders[0]].generation != holders[1]:  # type: ignore[index]
                 entries[h] = key  # the one holder was of an old generation
             else:
                 entries[h] = {holders: 1, key: 1}  # type: ignore[dict-item]
+        if len(entries) > self.max_entries:
+            self._evict_oldest()
+
+    @staticmethod
+    def _key(inst: _Instance, tier: str) -> Key:
+        """The holder key of `inst`'s blocks in `tier`, one tuple per (instance, generation,
+        tier) shared by all its entries (a tuple per event cost ~6 bytes an entry)."""
+        key = inst.keys.get(tier)
+        if key is None or key[1] != inst.generation:
+            key = inst.keys[tier] = (inst.slot, inst.generation, tier)
+        return key
+
+    def _evict_oldest(self) -> None:
+        """Past the cap, the least recently stored entries go, down to 1/EVICT_CHUNK below it:
+        a dict finds its oldest key by skipping the holes its deletions left at its front
+        (until it is resized), so evicting one at a time would cost one such pass each."""
+        entries = self._entries
+        num = len(entries) - self.max_entries + self.max_entries // EVICT_CHUNK
+        for h in list(islice(entries, num)):
+            del entries[h]
+        self.stats.entries_evicted += num
 
     def _unknown_tier(self, tier: str) -> None:
         """A tier no weight names: credited `UNKNOWN_TIER_WEIGHT`, said once per tier."""
@@ -291,7 +317,7 @@ class BlockIndex:
 
     def _apply_removed(self, inst: _Instance, event: BlockRemoved) -> None:
         tier = tier_of(event.medium, event.locality)
-        key = (inst.slot, inst.generation, tier)
+        key = self._key(inst, tier)
         entries, stats, router_keys = self._entries, self.stats, inst.router_keys
         removed = 0
         for h in event.block_hashes:

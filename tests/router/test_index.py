@@ -200,6 +200,31 @@ def test_entry_cap_evicts_least_recently_stored() -> None:
     idx.check_integrity()
 
 
+def test_entry_cap_evicts_the_oldest_down_to_a_64th_below_it_and_a_store_again_is_new() -> None:
+    idx = BlockIndex(BS, max_entries=128)
+    hashes = list(range(1000, 1129))  # 129: one past the cap
+    idx.apply_batch(A, batch(stored(hashes[:128])))
+    idx.apply_batch(B, batch(stored(hashes[:1])))  # the oldest hash, stored again: the newest
+    assert idx.num_entries == 128 and idx.stats.entries_evicted == 0
+    idx.apply_batch(A, batch(stored(hashes[128:])))
+    # 129 entries: down to 128 - 128 // 64 = 126, the three least recently stored gone
+    assert idx.num_entries == 126 and idx.stats.entries_evicted == 3
+    assert [h for h in hashes if not idx.holders(h)] == hashes[1:4]
+    assert idx.holders(hashes[0]) == {A: {"GPU"}, B: {"GPU"}}
+    idx.check_integrity()
+
+
+def test_blocks_of_one_instance_and_tier_share_one_holder_key() -> None:
+    idx = BlockIndex(BS)
+    idx.apply_batch(A, batch(stored(HASHES[:2]), stored(HASHES[2:4])))
+    keys = {id(idx._entries[h]) for h in HASHES[:4]}
+    assert len(keys) == 1  # one tuple, not one per event
+    idx.clear_instance(A)
+    idx.apply_batch(A, batch(stored(HASHES[:1])))
+    assert idx._entries[HASHES[0]] == (0, 1, "GPU")  # a new generation: a new key
+    idx.check_integrity()
+
+
 def engine_event(
     tokens: list[int],
     scheme: HashScheme,
