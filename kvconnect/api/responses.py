@@ -34,6 +34,9 @@ class Usage:
     completion_tokens: int = 0
     cached_tokens: int | None = None
     """None: `prompt_tokens_details` left out."""
+    cached_tokens_by_source: dict[str, int] | None = None
+    """`cached_tokens` by where they came from (vLLM's sources: device, host, p2p, disk,
+    external_unspecified; non-zero ones only), beside it in `prompt_tokens_details`."""
 
     def body(self) -> dict[str, Any]:
         body: dict[str, Any] = {
@@ -42,7 +45,10 @@ class Usage:
             "total_tokens": self.prompt_tokens + self.completion_tokens,
         }
         if self.cached_tokens is not None:
-            body["prompt_tokens_details"] = {"cached_tokens": self.cached_tokens}
+            details: dict[str, Any] = {"cached_tokens": self.cached_tokens}
+            if self.cached_tokens_by_source is not None:
+                details["cached_tokens_by_source"] = self.cached_tokens_by_source
+            body["prompt_tokens_details"] = details
         return body
 
 

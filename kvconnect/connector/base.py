@@ -10,6 +10,7 @@ One engine step, in this order (callers in brackets):
       get_num_new_matched_tokens(request, num_computed_tokens) -> (num_tokens | None, is_async)
       ... blocks allocated ...
       update_state_after_alloc(request, block_ids, num_external_tokens)
+      get_external_cache_hit_sources(request, num_external_tokens)   where the load comes from
   [scheduler] build_connector_meta(scheduler_output) -> KVConnectorMetadata     (sent to workers)
   [worker]    bind_connector_metadata(meta); start_load_kv(ctx)
               per layer: wait_for_layer_load(name) ... save_kv_layer(name, kv, attn_metadata)
@@ -48,6 +49,20 @@ from kvconnect.messages import (
     ScheduledRequest,
     SchedulerOutput,
 )
+
+
+class CacheHitSource(enum.StrEnum):
+    """Where cached prompt tokens' KV came from: vLLM's names (`vllm.v1.metrics.
+    cache_hit_source`), as `usage` and `vllm:prompt_tokens_cached_by_source` give them."""
+
+    DEVICE = "device"
+    """The engine's own prefix cache."""
+    HOST = "host"
+    P2P = "p2p"
+    """Pulled from another instance."""
+    DISK = "disk"
+    EXTERNAL_UNSPECIFIED = "external_unspecified"
+    """A shared store, or a connector that does not say."""
 
 
 class KVConnectorRole(enum.Enum):
@@ -212,6 +227,18 @@ class KVConnectorBase(ABC):
         """The workers' aggregated output of the step. Do not keep references into it."""
         return None
 
+    def get_external_cache_hit_sources(
+        self, request: ConnectorRequest, num_external_tokens: int
+    ) -> dict[str, int]:
+        """The first `num_external_tokens` of the request's load (after
+        `update_state_after_alloc`; again with fewer when part of it failed) by the
+        `CacheHitSource` value of the tier they come from; non-zero counts summing to it."""
+        return (
+            {CacheHitSource.EXTERNAL_UNSPECIFIED.value: num_external_tokens}
+            if num_external_tokens
+            else {}
+        )
+
     def request_finished(
         self, request: ConnectorRequest, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
@@ -238,6 +265,7 @@ class KVConnectorBase(ABC):
 
 
 __all__ = [
+    "CacheHitSource",
     "ConnectorRequest",
     "KVConnectorBase",
     "KVConnectorContext",

@@ -241,6 +241,14 @@ class MultiConnector(KVConnectorBase):
             else:
                 c.update_state_after_alloc(request, [], 0)
 
+    def get_external_cache_hit_sources(
+        self, request: ConnectorRequest, num_external_tokens: int
+    ) -> dict[str, int]:
+        chosen = self._requests_to_connector.get(request.request_id)
+        if chosen is None:
+            return super().get_external_cache_hit_sources(request, num_external_tokens)
+        return self._connectors[chosen].get_external_cache_hit_sources(request, num_external_tokens)
+
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         metas = tuple(c.build_connector_meta(scheduler_output) for c in self._connectors)
         extra, self._extra_async_saves = self._extra_async_saves or None, {}

@@ -235,6 +235,8 @@ class Request:
         self.num_cached_tokens: int | None = None
         """Prompt tokens found in the engine's prefix cache; None until first scheduled."""
         self.num_external_tokens = 0
+        self.external_hit_sources: dict[str, int] = {}
+        """`num_external_tokens` by where the connector loaded them from (`CacheHitSource`)."""
         """Prompt tokens a connector loaded."""
         self.num_preemptions = 0
         self.error: str | None = None

@@ -282,6 +282,10 @@ class Scheduler:
         if req.num_cached_tokens is None:  # the first admission, not a re-admission
             req.num_cached_tokens = num_local
             req.num_external_tokens = num_external
+            if num_external and self.connector is not None:
+                req.external_hit_sources = self.connector.get_external_cache_hit_sources(
+                    req, num_external
+                )
             self.stats.num_prompt_tokens += len(req.prompt_token_ids)
             self.stats.num_cached_tokens += num_local
             self.stats.num_external_tokens += num_external
@@ -434,6 +438,8 @@ class Scheduler:
         loaded = min(req.num_external_tokens, max(0, num_kept - req.num_cached_tokens))
         self.stats.num_external_tokens -= req.num_external_tokens - loaded
         req.num_external_tokens = loaded
+        if self.connector is not None:
+            req.external_hit_sources = self.connector.get_external_cache_hit_sources(req, loaded)
 
     def fail_all(self, reason: str) -> None:
         """The engine is gone: every unfinished request ends with an error."""

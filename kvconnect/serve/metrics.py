@@ -9,6 +9,10 @@
     vllm:num_requests_running, vllm:num_requests_waiting, vllm:kv_cache_usage_perc   gauges
     kvconnect_connector_loaded_tokens_total                        prompt tokens a KV
                                                                    connector loaded
+    vllm:prompt_tokens_cached_by_source_total{source}              cached prompt tokens by
+                                                                   where they came from:
+                                                                   device, host, p2p, disk,
+                                                                   external_unspecified
     kvconnect_kv_events_total, kvconnect_kv_event_batches_*        the event stream
     kvconnect_connector_<stat>                                     the connector's own stats
 
@@ -25,6 +29,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from kvconnect.connector.base import CacheHitSource
 from kvconnect.engine.llm import EngineStats
 from kvconnect.engine.request import Request
 
@@ -52,6 +57,15 @@ class ServeMetrics:
         self.loaded_tokens = counter(
             "kvconnect_connector_loaded_tokens", "Prompt tokens a KV connector loaded."
         )
+        self.cached_by_source = counter(
+            "vllm:prompt_tokens_cached_by_source",
+            "Prefix-cache hit tokens by the cache tier that supplied them: device (the "
+            "engine's own), host, disk, p2p (pulled from another instance) or "
+            "external_unspecified (a shared store).",
+            extra=("source",),
+        )
+        for source in CacheHitSource:  # every label from the start, as vLLM's
+            self.cached_by_source.labels(model_name, source.value)
         self.success = counter(
             "vllm:request_success", "Finished requests.", extra=("finished_reason",)
         )
@@ -79,6 +93,8 @@ class ServeMetrics:
         self.cache_queries.labels(m).inc(len(request.prompt_token_ids))
         self.cache_hits.labels(m).inc(request.num_cached_tokens or 0)
         self.loaded_tokens.labels(m).inc(request.num_external_tokens)
+        for source, n in cached_by_source(request).items():
+            self.cached_by_source.labels(m, source).inc(n)
         self.success.labels(m, request.status.finish_reason or "unknown").inc()
         if ttft is not None:
             self.ttft.labels(m).observe(ttft)
@@ -86,6 +102,19 @@ class ServeMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def cached_by_source(request: Request) -> dict[str, int]:
+    """A request's cached prompt tokens by source: the engine's own hits (device), then what
+    its connector loaded, by the tier it came from; non-zero ones only."""
+    found = {CacheHitSource.DEVICE.value: request.num_cached_tokens or 0}
+    for source, n in request.external_hit_sources.items():
+        found[source] = found.get(source, 0) + n
+    unsaid = request.num_external_tokens - sum(request.external_hit_sources.values())
+    if unsaid > 0:  # a connector that does not say where it loaded from
+        unspecified = CacheHitSource.EXTERNAL_UNSPECIFIED.value
+        found[unspecified] = found.get(unspecified, 0) + unsaid
+    return {k: v for k, v in found.items() if v}
 
 
 class _EngineGauges(Collector):

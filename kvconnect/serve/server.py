@@ -44,6 +44,7 @@ import asyncio
 import logging
 import signal
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 
 from aiohttp import web
@@ -68,7 +69,7 @@ from kvconnect.serve.admission import RETRY_AFTER_S, Admission
 from kvconnect.serve.answers import Answer, Shown, failure
 from kvconnect.serve.engine_loop import EngineLoop, Failed, Job
 from kvconnect.serve.logprobs import TokenText
-from kvconnect.serve.metrics import ServeMetrics
+from kvconnect.serve.metrics import ServeMetrics, cached_by_source
 from kvconnect.serve.prepare import (
     GenerateRequest,
     Prepared,
@@ -260,12 +261,13 @@ class OpenAIServer:
         cached prompt tokens only when asked for (`enable_prompt_tokens_details`)."""
         usage = Usage(completion_tokens=sum(len(r.output_token_ids) for r in finals))
         n = len(prepared.jobs[0]) if prepared.jobs else 1
-        cached = 0
+        by_source: Counter[str] = Counter()
         for first in finals[::n]:
             usage.prompt_tokens += len(first.prompt_token_ids)
-            cached += (first.num_cached_tokens or 0) + first.num_external_tokens
+            by_source.update(cached_by_source(first))
         if self.options.enable_prompt_tokens_details:
-            usage.cached_tokens = cached
+            usage.cached_tokens = by_source.total()
+            usage.cached_tokens_by_source = dict(+by_source)
         return usage
 
     async def models(self, _: web.Request) -> web.Response:

@@ -46,7 +46,6 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvconnect.connector.offload.common import OffloadConfig
 from kvconnect.connector.offload.connector import OffloadHalves
-from kvconnect.connector.offload.kinds import TierKind
 from kvconnect.connector.offload.scheduler import OffloadScheduler
 from kvconnect.connector.offload.worker import OffloadWorker
 from kvconnect.vllm.adapter import (
@@ -82,12 +81,6 @@ IDLE_LOAD_WAIT_S = 0.02
 """How long a step with nothing to compute waits for a load under way (a new request that
 arrives meanwhile waits as long at most)."""
 
-_HIT_SOURCES = {
-    TierKind.CPU: CacheHitSource.HOST,
-    TierKind.DISK: CacheHitSource.DISK,
-    TierKind.REDIS: CacheHitSource.EXTERNAL_UNSPECIFIED,
-}
-
 
 class OffloadConnector(OffloadHalves, KVConnectorBase_V1):
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
@@ -97,8 +90,6 @@ class OffloadConnector(OffloadHalves, KVConnectorBase_V1):
         self.config = OffloadConfig.from_extra_config(
             context.kv_transfer_config.kv_connector_extra_config, context.block_size
         )
-        # Hits are credited to the first tier, where a load is most often served from.
-        self._cache_hit_source = _HIT_SOURCES[self.config.tiers[0].kind]
         self.scheduler: OffloadScheduler | None = None
         self.worker: OffloadWorker | None = None
         self._started: KVConnectorMetadata | None = None  # the step whose loads are queued
@@ -201,6 +192,15 @@ class OffloadConnector(OffloadHalves, KVConnectorBase_V1):
     def update_connector_output(self, connector_output_: Any) -> None:
         self._loading -= connector_output_.finished_recving or set()
         self._sched().update_connector_output(connector_output(connector_output_))
+
+    def get_external_cache_hit_sources(
+        self, request: Any, num_external_tokens: int
+    ) -> dict[CacheHitSource, int]:
+        """The load's tokens by the tier each chunk comes from (vLLM's
+        `vllm:prompt_tokens_cached_by_source`): cpu host, disk disk, a peer's p2p, a shared
+        store external_unspecified."""
+        split = self._sched().hit_sources(request.request_id, num_external_tokens)
+        return {CacheHitSource(source): n for source, n in split.items()}
 
     def request_finished(
         self, request: Any, block_ids: list[int]

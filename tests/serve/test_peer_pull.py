@@ -402,3 +402,29 @@ def test_every_rank_pulls_its_own_shard_and_another_tp_size_is_refused(
         for s in servers:
             if s.proc is not None:
                 assert s.stop() == 0, s.logs()
+
+
+def test_usage_and_metrics_say_where_the_cached_tokens_came_from(pair: Pair) -> None:
+    """A pulled prefix is `p2p` in the answer's usage and in vLLM's metric
+    `vllm:prompt_tokens_cached_by_source`; the same prompt again is the engine's own
+    (`device`)."""
+    a, b, a_port, _ = pair
+    tokens = prompt(11)
+    stored = metric(a, "kvconnect_connector_num_chunks_stored_total")
+    complete(a, tokens)
+    stored_on(a, stored + 4)
+
+    def by_source(server: Serve, **extra: Any) -> dict[str, int]:
+        status, body, _ = post(
+            server.url + "/v1/completions",
+            {"model": "tiny", "prompt": tokens, "max_tokens": 1, **extra},
+        )
+        assert status == 200, body
+        found: dict[str, int] = body["usage"]["prompt_tokens_details"]["cached_tokens_by_source"]
+        return found
+
+    before = metric(b, 'vllm:prompt_tokens_cached_by_source_total{model_name="tiny",source="p2p"}')
+    assert by_source(b, **source(a_port)) == {"p2p": 4 * CHUNK}
+    assert by_source(b) == {"device": 144}
+    after = metric(b, 'vllm:prompt_tokens_cached_by_source_total{model_name="tiny",source="p2p"}')
+    assert after - before == 4 * CHUNK

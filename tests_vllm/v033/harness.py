@@ -194,6 +194,9 @@ class StepResult:
     invalid_block_ids: set[int] = field(default_factory=set)
     engine_outputs: list[Any] = field(default_factory=list)
     """vLLM's EngineCoreOutput of each request this step."""
+    scheduler_stats: list[Any] = field(default_factory=list)
+    """vLLM's SchedulerStats of this step (its connector's prefix cache stats, hits by
+    source among them)."""
 
     def prefill_stats(self, request_id: str) -> Any:
         """vLLM's PrefillStats of the request's first output, if this step produced it."""
@@ -280,6 +283,9 @@ class Engine:
         )
         outputs = self.scheduler.update_from_output(so, model_output)
         result.engine_outputs = [o for core in outputs.values() for o in core.outputs]
+        result.scheduler_stats = [
+            core.scheduler_stats for core in outputs.values() if core.scheduler_stats is not None
+        ]
         self.steps += 1
         return result
 

@@ -108,6 +108,36 @@ def test_external_hit_loads_asynchronously(model_dir: Path, tmp_path: Path) -> N
         assert_no_leak(eng)
 
 
+def hits_by_source(steps: list[StepResult]) -> dict[str, int]:
+    """What vLLM 0.33's scheduler recorded of the connector's hits, by source, over `steps`
+    (what it counts in `vllm:prompt_tokens_cached_by_source`)."""
+    found: dict[str, int] = {}
+    for step in steps:
+        for stats in step.scheduler_stats:
+            connector = stats.connector_prefix_cache_stats
+            for source, n in (connector.hits_by_source if connector else {}).items():
+                found[source.value] = found.get(source.value, 0) + n
+    return found
+
+
+def test_hits_are_credited_to_the_tier_that_supplied_them(model_dir: Path, tmp_path: Path) -> None:
+    """vLLM 0.33 asks `get_external_cache_hit_sources` after the load is planned: chunks from
+    the cpu tier are host, those a disk tier holds alone disk (vLLM's default credited every
+    hit to one source)."""
+    extra = cpu_tier(CHUNK, max_chunks=2)
+    extra["tiers"].append({"kind": "disk", "path": str(tmp_path / "disk")})
+    tokens = prompt(1)
+    with engine(model_dir, transfer(extra), tmp_path) as (eng, events):
+        run_and_store(eng, events, "a", tokens)  # its last 2 chunks in cpu, the rest on disk
+        steps = load_again(eng, "b", tokens)
+        steps += eng.finish("b")
+        assert external(steps, "b") == LOADABLE
+        by_source = hits_by_source(steps)
+        assert by_source == {"host": 2 * CHUNK, "disk": LOADABLE - 2 * CHUNK}, by_source
+        eng.settle()
+        assert_no_leak(eng)
+
+
 def test_the_last_chunk_loads_in_part(model_dir: Path, tmp_path: Path) -> None:
     """128 tokens: the hit ends on the last whole block before the last token, as vLLM's own
     prefix cache ends it (112 tokens: chunks 0-2 and chunk 3's first block), not at 96."""

@@ -124,6 +124,11 @@ class OffloadConnector(OffloadHalves, KVConnectorBase):
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         self._sched().update_connector_output(connector_output)
 
+    def get_external_cache_hit_sources(
+        self, request: ConnectorRequest, num_external_tokens: int
+    ) -> dict[str, int]:
+        return self._sched().hit_sources(request.request_id, num_external_tokens)
+
     def request_finished(
         self, request: ConnectorRequest, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvconnect.connector.base import (
+    CacheHitSource,
     ConnectorRequest,
     KVConnectorContext,
     KVConnectorOutput,
@@ -106,6 +107,8 @@ class _Plan:
     """Blocks of chunk `num` loaded from a local tier's tail (0: none)."""
     source: Named | None
     from_source: int
+    local: int = 0
+    """Chunks from the start held by this instance's local tiers (a shared tier's follow)."""
     sync: bool = False
     """Every chunk is in the cpu tier: loaded before the step's forward (LoadSpec.sync)."""
 
@@ -172,6 +175,7 @@ class OffloadScheduler:
         self._raw_by_wire: OrderedDict[int | bytes, bytes] = OrderedDict()
         self._shared_gone: list[bytes] = []
         self._plans: dict[str, _Plan] = {}
+        self._hit_runs: dict[str, list[tuple[str, int]]] = {}  # request -> its load's sources
         self._leases: list[LeaseSpec] = []
         self._finishing: list[SaveSpec] = []  # finished requests' last saves, next step
         self._finishing_ids: list[str] = []
@@ -236,6 +240,7 @@ class OffloadScheduler:
         num = 0
         while num < max_chunks and self.held.get(self._wire(last[num])):
             num += 1
+        local = num
         if num < max_chunks and self.lookup is not None:
             chunks = [self._rank_keys(h) for h in last[num:]]
             num_shared = self.lookup.ask(request.request_id, num, chunks)
@@ -256,7 +261,7 @@ class OffloadScheduler:
         num_tokens = min(num * c + tail * self.context.block_size, limit)
         if num_tokens <= num_computed_tokens:
             return 0, False
-        plan = _Plan(num_computed_tokens, num, tail, source, from_source)
+        plan = _Plan(num_computed_tokens, num, tail, source, from_source, local)
         plan.sync = self.config.sync_cpu_loads and self._in_cpu(request, plan)
         self._plans[request.request_id] = plan
         return num_tokens - num_computed_tokens, not plan.sync
@@ -328,6 +333,7 @@ class OffloadScheduler:
         c, bs, per = self.config.chunk_size, self.context.block_size, self.config.blocks_per_chunk
         # The last chunk's blocks past the hit are not allocated to the load: fewer block ids.
         block_ids = block_ids[: min(num * c + plan.tail * bs, self._max_hit(request)) // bs]
+        self._hit_runs[request.request_id] = self._sources_of(request, plan, num_external_tokens)
         spec = LoadSpec(request.request_id, [], [], [], sync=plan.sync)
         if plan.source is not None and plan.from_source < num:
             spec.source, spec.from_source = plan.source.addr, max(0, plan.from_source - start // c)
@@ -340,6 +346,55 @@ class OffloadScheduler:
             spec.first_block.append(max(0, start - i * c) // bs)
         self._loads.append(spec)
         return not spec.sync
+
+    def _sources_of(
+        self, request: ConnectorRequest, plan: _Plan, num_tokens: int
+    ) -> list[tuple[str, int]]:
+        """The load's tokens, from its start, as runs of (the `CacheHitSource` value of the
+        tier each chunk comes from, tokens): the workers look in the cpu tier first, then
+        disk; then a shared tier's chunks; then a peer's."""
+        c, per = self.config.chunk_size, self.config.blocks_per_chunk
+        start, end = plan.start, plan.start + num_tokens
+        runs: list[tuple[str, int]] = []
+        for i in range(start // c, plan.num + (plan.tail > 0)):
+            if i >= plan.num:  # the tail: blocks of chunk `num` in a local tier
+                source = self._local_source(request.block_hashes[i * per + plan.tail - 1])
+            elif i < plan.local:
+                source = self._local_source(request.block_hashes[(i + 1) * per - 1])
+            elif i < plan.from_source:
+                source = CacheHitSource.EXTERNAL_UNSPECIFIED.value
+            else:
+                source = CacheHitSource.P2P.value
+            n = min((i + 1) * c, end) - max(i * c, start)
+            if n <= 0:
+                continue
+            if runs and runs[-1][0] == source:
+                runs[-1] = (source, runs[-1][1] + n)
+            else:
+                runs.append((source, n))
+        return runs
+
+    def _local_source(self, last_block_hash: bytes) -> str:
+        tiers = self.held.get(self._wire(last_block_hash), set())
+        return (
+            CacheHitSource.HOST.value if TierKind.CPU.tier in tiers else CacheHitSource.DISK.value
+        )
+
+    def hit_sources(self, request_id: str, num_tokens: int) -> dict[str, int]:
+        """The first `num_tokens` of the request's load by source (what vLLM's
+        `get_external_cache_hit_sources` and serve's usage show); tokens past what was
+        planned are `external_unspecified`."""
+        found: dict[str, int] = {}
+        left = num_tokens
+        for source, n in self._hit_runs.get(request_id, ()):
+            take = min(n, left)
+            if take > 0:
+                found[source] = found.get(source, 0) + take
+            left -= take
+        if left > 0:
+            unspecified = CacheHitSource.EXTERNAL_UNSPECIFIED.value
+            found[unspecified] = found.get(unspecified, 0) + left
+        return found
 
     # -- saves and the step ---------------------------------------------------------------------
 
@@ -471,6 +526,7 @@ class OffloadScheduler:
         instance needs, its chunks leased to it; else None."""
         tracked = self._tracked.pop(request.request_id, None)
         self._plans.pop(request.request_id, None)
+        self._hit_runs.pop(request.request_id, None)
         self._forget(request.request_id)
         status = getattr(getattr(request, "status", None), "name", None)
         if tracked is None or status not in FINISHED_WHOLE:
