@@ -38,6 +38,7 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -136,9 +137,7 @@ class OffloadWorker:
         self.peers: PeerSide | None = None
         self.peer_keys = PeerKeys.from_config(config)  # a wrong key file fails the start
         self._resets = 0
-        self._busy = False  # the I/O thread runs a job
-        self._pulling = 0  # pull threads running a job
-        self._busy_since: dict[str, float] = {}  # thread name -> its job's start
+        self._busy_since: dict[str, float] = {}  # a lane thread running a job -> its start
         self._reported_pending = 0
         self.metadata_class = metadata_class
         self._stop = False
@@ -182,7 +181,7 @@ class OffloadWorker:
                 tier.leased = self.leases.__contains__
                 if self.leases.capacity is None:  # the first cpu tier's slots bound the leases
                     self.leases.capacity = tier.num_slots
-        lanes = [("kv-offload-io", self._io_loop)]
+        lanes = [("kv-offload-io", partial(self._lane, self._pick_io, self._run))]
         peer = self.config.peer
         if peer is not None:
             mac = self.peer_keys.mac
@@ -194,7 +193,8 @@ class OffloadWorker:
                 peer.timeout_s / 2,
             )
             self.peers = PeerSide(peer, self.peer_keys, placement, self.namespace, served)
-            lanes += [(f"kv-offload-pull-{i}", self._pull_loop) for i in range(PULL_THREADS)]
+            pull = partial(self._lane, self._pick_pull, self._run)
+            lanes += [(f"kv-offload-pull-{i}", pull) for i in range(PULL_THREADS)]
         for name, loop in lanes:
             thread = threading.Thread(target=loop, name=name, daemon=True)
             thread.start()
@@ -310,7 +310,7 @@ class OffloadWorker:
     def _num_pending(self) -> int:
         """Jobs queued or running, on every lane (under `_cond`)."""
         queued = len(self._loads) + len(self._stores) + len(self._pulls) + self._resets
-        return queued + self._busy + self._pulling
+        return queued + len(self._busy_since)
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         stats = self.report.take_stats()
@@ -337,49 +337,38 @@ class OffloadWorker:
 
     # -- the lanes ----------------------------------------------------------------------------
 
-    def _io_loop(self) -> None:
-        while (job := self._next_job()) is not None:
-            try:
-                self._run(job)
-            except Exception:  # the thread must survive anything a tier does
-                self._job_failed(job)
-            finally:
-                with self._cond:
-                    self._busy = False
-                    self._busy_since.pop(threading.current_thread().name, None)
-                    self._cond.notify_all()
-
-    def _next_job(self) -> IoJob | None:
-        """Wait for the I/O thread's next job and mark it busy with it; None once stopped."""
-        with self._cond:
-            self._cond.wait_for(lambda: self._stop or self._loads or self._stores or self._resets)
-            if self._stop:
-                return None
-            self._busy = True
-            self._busy_since[threading.current_thread().name] = time.monotonic()
-            if self._resets:  # resets carry nothing, so they are counted rather than queued
-                self._resets -= 1
-                return ResetJob()
-            return self._loads.popleft() if self._loads else self._stores.popleft()
-
-    def _pull_loop(self) -> None:
+    def _lane(self, pick: Callable[[], IoJob | None], run: Callable[[IoJob], None]) -> None:
+        """A lane's thread: run what `pick` takes from its queue (under `_cond`), one job at a
+        time, until stopped; the job counts as pending (`_busy_since`) until it is done."""
+        name = threading.current_thread().name
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: self._stop or bool(self._pulls))
-                if self._stop:
+                job = None
+                while not self._stop and (job := pick()) is None:
+                    self._cond.wait()
+                if job is None:
                     return
-                job = self._pulls.popleft()
-                self._pulling += 1
-                self._busy_since[threading.current_thread().name] = time.monotonic()
+                self._busy_since[name] = time.monotonic()
             try:
-                self._load(job)
-            except Exception:  # the thread must survive anything a peer sends
+                run(job)
+            except Exception:  # the thread must survive anything a tier or a peer does
                 self._job_failed(job)
             finally:
                 with self._cond:
-                    self._pulling -= 1
-                    self._busy_since.pop(threading.current_thread().name, None)
+                    del self._busy_since[name]
                     self._cond.notify_all()
+
+    def _pick_io(self) -> IoJob | None:
+        """The I/O thread's next job, in this order: resets, loads, stores."""
+        if self._resets:  # resets carry nothing, so they are counted rather than queued
+            self._resets -= 1
+            return ResetJob()
+        if self._loads:
+            return self._loads.popleft()
+        return self._stores.popleft() if self._stores else None
+
+    def _pick_pull(self) -> IoJob | None:
+        return self._pulls.popleft() if self._pulls else None
 
     def _job_failed(self, job: IoJob) -> None:
         logger.exception("offload I/O job failed")

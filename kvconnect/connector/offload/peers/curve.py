@@ -43,7 +43,6 @@ from kvconnect.connector.offload.peers.protocol import (
     GET,
     HAS,
     MAX_KEY_BYTES,
-    MAX_KEYS,
     MAX_LEASE_ID_BYTES,
     MAX_PARTS,
     MAX_REQUEST,
@@ -55,6 +54,7 @@ from kvconnect.connector.offload.peers.protocol import (
     WINDOW,
     Deadline,
     Hello,
+    PeerClient,
     Refused,
     Served,
     answer_has,
@@ -62,9 +62,7 @@ from kvconnect.connector.offload.peers.protocol import (
     check_hello,
     check_key,
     checked_chunk,
-    decode_bool,
     decode_hello,
-    decode_int,
     encode,
     has_keys,
 )
@@ -276,8 +274,8 @@ class CurvePeerServer:
             self._thread.join(5.0)
 
 
-class CurvePeerClient:
-    """Asks and pulls from one rank of one peer over CurveZMQ. Not thread-safe: one user."""
+class CurvePeerClient(PeerClient):
+    """Asks and pulls from one rank of one peer over CurveZMQ."""
 
     def __init__(
         self,
@@ -358,12 +356,12 @@ class CurvePeerClient:
         why = "did not answer in time" if isinstance(e, TimeoutError) else str(e)
         return TierUnavailable(f"peer {self.endpoint} ({verb.decode()}): {why}")
 
-    def _ok(self, verb: bytes, arg: bytes, deadline: Deadline) -> list[zmq.Frame]:
+    def ask(self, verb: bytes, arg: bytes, deadline: Deadline) -> bytes:
         if not self._greeted:
             self._greet(deadline)
         status, payload = self._recv(self._send(verb, arg, deadline), verb, deadline)
         if status == OK and payload:
-            return payload
+            return payload[0].bytes
         if status == ERR and payload:
             why = payload[0].bytes[:200].decode(errors="replace")
             raise TierError(f"peer {self.endpoint} refused {verb.decode()}: {why}")
@@ -385,29 +383,6 @@ class CurvePeerClient:
             raise TierError(str(e)) from None
         self._greeted = True
 
-    def held_prefix(self, keys: Sequence[str], deadline: Deadline) -> int:
-        """How many of `keys`, from the first, the peer holds."""
-        total = 0
-        for at in range(0, len(keys), MAX_KEYS):
-            batch = list(keys[at : at + MAX_KEYS])
-            frames = self._ok(HAS, encode(batch), deadline)
-            try:
-                num = decode_int(frames[0].bytes)
-            except ValueError as e:
-                raise TierError(f"peer {self.endpoint}: malformed HAS answer ({e})") from None
-            num = max(0, min(num, len(batch)))
-            total += num
-            if num < len(batch):
-                break
-        return total
-
-    def release(self, lease_id: str, deadline: Deadline) -> bool:
-        frames = self._ok(RELEASE, lease_id.encode("ascii"), deadline)
-        try:
-            return decode_bool(frames[0].bytes)
-        except ValueError as e:
-            raise TierError(f"peer {self.endpoint}: malformed RELEASE answer ({e})") from None
-
     def fetch_many(
         self,
         wanted: Sequence[tuple[str, ChunkInfo]],
@@ -415,7 +390,7 @@ class CurvePeerClient:
         deadline: Deadline,
         sink: Any = None,
     ) -> Generator[StoredChunk | TierError | None]:
-        """As `TcpPeerClient.fetch_many` (each chunk lands in memory of its own: `sink` is not
+        """As `PeerClient.fetch_many` (each chunk lands in memory of its own: `sink` is not
         used over ZMQ)."""
         if not wanted:
             return

@@ -19,7 +19,8 @@ from __future__ import annotations
 import math
 import mmap
 import time
-from collections.abc import Callable, Sequence
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -186,6 +187,55 @@ def checked_chunk(
 def payload_bytes(placement: TierPlacement) -> int:
     """A whole chunk's payload on this rank."""
     return math.prod(placement.chunk_shape) * placement.dtype.itemsize
+
+
+class PeerClient(ABC):
+    """What a lookup or a pull asks of one rank of one peer (tcp.py's client and curve.py's):
+    not thread-safe, one user (a lookup's thread, or one pull thread)."""
+
+    endpoint: str
+
+    @abstractmethod
+    def ask(self, verb: bytes, arg: bytes, deadline: Deadline) -> bytes:
+        """An OK answer's one part; `TierError` (`TierUnavailable` when the peer did not
+        answer by `deadline`) for anything else."""
+
+    @abstractmethod
+    def fetch_many(
+        self,
+        wanted: Sequence[tuple[str, ChunkInfo]],
+        placement: TierPlacement,
+        deadline: Deadline,
+        sink: PayloadSink | None = None,
+    ) -> Generator[StoredChunk | TierError | None]:
+        """Each of `wanted` in order: the chunk checked (`checked_chunk`), None if the peer
+        does not hold it, or the `TierError` why not, a few requests ahead. Once the peer
+        fails (or the deadline passes), every chunk left is that error."""
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+    def held_prefix(self, keys: Sequence[str], deadline: Deadline) -> int:
+        """How many of `keys`, from the first, the peer holds."""
+        total = 0
+        for at in range(0, len(keys), MAX_KEYS):
+            batch = list(keys[at : at + MAX_KEYS])
+            try:
+                num = decode_int(self.ask(HAS, encode(batch), deadline))
+            except ValueError as e:
+                raise TierError(f"peer {self.endpoint}: malformed HAS answer ({e})") from None
+            num = max(0, min(num, len(batch)))
+            total += num
+            if num < len(batch):
+                break
+        return total
+
+    def release(self, lease_id: str, deadline: Deadline) -> bool:
+        """End lease `lease_id` at the peer; whether it held it."""
+        try:
+            return decode_bool(self.ask(RELEASE, lease_id.encode("ascii"), deadline))
+        except ValueError as e:
+            raise TierError(f"peer {self.endpoint}: malformed RELEASE answer ({e})") from None
 
 
 class PayloadSink(Protocol):

@@ -33,17 +33,12 @@ from kvconnect.connector.offload.peers.protocol import (
     REPLY_SLACK,
     Deadline,
     Hello,
+    PeerClient,
     RecvBuffers,
     Served,
     payload_bytes,
 )
-from kvconnect.connector.offload.peers.transport import (
-    PeerClient,
-    PeerKeys,
-    PeerServer,
-    connect,
-    serve,
-)
+from kvconnect.connector.offload.peers.transport import PeerKeys, PeerServer, connect, serve
 from kvconnect.connector.offload.tiers.base import (
     IntegrityError,
     StoredChunk,

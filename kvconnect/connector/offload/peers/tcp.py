@@ -45,7 +45,6 @@ from kvconnect.connector.offload.peers.protocol import (
     GET,
     HAS,
     MAX_KEY_BYTES,
-    MAX_KEYS,
     MAX_LEASE_ID_BYTES,
     MAX_PARTS,
     MAX_REQUEST,
@@ -59,6 +58,7 @@ from kvconnect.connector.offload.peers.protocol import (
     Deadline,
     Hello,
     PayloadSink,
+    PeerClient,
     Refused,
     Served,
     answer_has,
@@ -66,9 +66,7 @@ from kvconnect.connector.offload.peers.protocol import (
     check_hello,
     check_key,
     checked_chunk,
-    decode_bool,
     decode_hello,
-    decode_int,
     encode,
     has_keys,
 )
@@ -350,9 +348,8 @@ def _send_answer(
         _send(sock, v, deadline)
 
 
-class TcpPeerClient:
-    """Asks and pulls from one rank of one peer at host:port. Not thread-safe: one user (a
-    lookup's thread, or one pull thread of a worker)."""
+class TcpPeerClient(PeerClient):
+    """Asks and pulls from one rank of one peer at host:port."""
 
     def __init__(
         self,
@@ -430,9 +427,9 @@ class TcpPeerClient:
         )
         return TierUnavailable(f"peer {self.endpoint} ({what}): {why}")
 
-    def _ask(self, verb: bytes, arg: bytes, deadline: Deadline) -> list[memoryview]:
-        """An OK answer's parts; `TierError` for anything else. A reused connection the
-        server has closed meanwhile is opened again, once."""
+    def ask(self, verb: bytes, arg: bytes, deadline: Deadline) -> bytes:
+        """As `PeerClient.ask`. A reused connection the server has closed meanwhile is
+        opened again, once."""
         for attempt in range(2):
             sock, reused = self._connect(deadline)
             try:
@@ -448,7 +445,7 @@ class TcpPeerClient:
                 raise
             self._used = time.monotonic()
             if status == OK and len(parts) == 1:
-                return parts
+                return bytes(parts[0])
             self.close()
             if status == ERR:
                 why = bytes(parts[0][:200]).decode(errors="replace")
@@ -487,30 +484,6 @@ class TcpPeerClient:
         assert len(parts) <= MAX_PARTS
         return status, parts
 
-    def held_prefix(self, keys: Sequence[str], deadline: Deadline) -> int:
-        """How many of `keys`, from the first, the peer holds."""
-        total = 0
-        for at in range(0, len(keys), MAX_KEYS):
-            batch = list(keys[at : at + MAX_KEYS])
-            part = self._ask(HAS, encode(batch), deadline)[0]
-            try:
-                num = decode_int(part)
-            except ValueError as e:
-                raise TierError(f"peer {self.endpoint}: malformed HAS answer ({e})") from None
-            num = max(0, min(num, len(batch)))
-            total += num
-            if num < len(batch):
-                break
-        return total
-
-    def release(self, lease_id: str, deadline: Deadline) -> bool:
-        """End lease `lease_id` at the peer; whether it held it."""
-        part = self._ask(RELEASE, lease_id.encode("ascii"), deadline)[0]
-        try:
-            return decode_bool(part)
-        except ValueError as e:
-            raise TierError(f"peer {self.endpoint}: malformed RELEASE answer ({e})") from None
-
     def fetch_many(
         self,
         wanted: Sequence[tuple[str, ChunkInfo]],
@@ -518,9 +491,8 @@ class TcpPeerClient:
         deadline: Deadline,
         sink: PayloadSink | None = None,
     ) -> Generator[StoredChunk | TierError | None]:
-        """Each of `wanted` in order: the chunk checked (`checked_chunk`), None if the peer
-        does not hold it, or the `TierError` why not, with up to WINDOW requests outstanding.
-        Once the connection fails (or the deadline passes), every chunk left is that error."""
+        """As `PeerClient.fetch_many`, with up to WINDOW requests outstanding on the one
+        connection (the peer serialises the next chunks while one travels)."""
         if not wanted:
             return
         sent = done = 0

@@ -16,39 +16,17 @@ the port can serve forged KV under the right tokens: the scheduler half warns at
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from kvconnect.connector.offload.common import ChunkInfo, OffloadConfig, PeerConfig
+from kvconnect.connector.offload.common import OffloadConfig, PeerConfig
 from kvconnect.connector.offload.peers.curve import CurvePeerClient, CurvePeerServer, shared_curve
-from kvconnect.connector.offload.peers.protocol import Deadline, Hello, PayloadSink, Served
+from kvconnect.connector.offload.peers.protocol import Hello, PeerClient, Served
 from kvconnect.connector.offload.peers.tcp import TcpPeerClient, TcpPeerServer
 from kvconnect.connector.offload.tiers.base import (
-    StoredChunk,
-    TierError,
-    TierPlacement,
     read_mac_key,
 )
 from kvconnect.stream.curve import CurveClientKeys, CurveServerKeys
-
-
-class PeerClient(Protocol):
-    endpoint: str
-
-    def held_prefix(self, keys: Sequence[str], deadline: Deadline) -> int: ...
-
-    def release(self, lease_id: str, deadline: Deadline) -> bool: ...
-
-    def fetch_many(
-        self,
-        wanted: Sequence[tuple[str, ChunkInfo]],
-        placement: TierPlacement,
-        deadline: Deadline,
-        sink: PayloadSink | None = None,
-    ) -> Generator[StoredChunk | TierError | None]: ...
-
-    def close(self) -> None: ...
 
 
 class PeerServer(Protocol):
