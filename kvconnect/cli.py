@@ -290,6 +290,15 @@ def _router_flags(commands: Commands, common: Parser) -> None:
         "connection (and the relay behind it) ends",
     )
     r.add_argument(
+        "--otlp-traces-endpoint",
+        metavar="URL",
+        help="send OpenTelemetry traces (a span per routed request: the candidates' costs, "
+        "the instance, the pull source, the cached tokens) to this OTLP endpoint, as vLLM's "
+        "flag of that name: grpc unless OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf "
+        "(then the full .../v1/traces URL); the OTEL_* variables apply. Needs the otel "
+        "extra (pip install 'kvconnect[otel]')",
+    )
+    r.add_argument(
         "--tier-weights",
         default="GPU=1.0,CPU=0.8,STORAGE/LOCAL=0.5,STORAGE/REMOTE=0.3",
         help="weight of a cached block per tier (MEDIUM or MEDIUM/LOCALITY=W,...), over the "

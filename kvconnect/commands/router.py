@@ -20,6 +20,7 @@ from kvconnect.router.core import Instance, Router
 from kvconnect.router.index import DEFAULT_TIER_WEIGHTS, BlockIndex
 from kvconnect.router.replicas import ReplicaLoads, replica_url
 from kvconnect.router.server import RouterOptions, serve_router
+from kvconnect.router.tracing import RouterTracing
 
 
 def parse_tier_weights(text: str) -> dict[str, float]:
@@ -51,6 +52,8 @@ def run_router_command(args: argparse.Namespace) -> int:
     instances = [Instance.parse(spec) for spec in args.instance]
     prefill = [Instance.parse(spec) for spec in args.prefill_instance]
     weights = parse_tier_weights(args.tier_weights)
+    endpoint = args.otlp_traces_endpoint
+    tracing = None if endpoint is None else RouterTracing.start(endpoint)
     options = RouterOptions(
         api_key=api_keys_from(args.api_key),
         admin_token=admin_token_from(args.admin_token),
@@ -62,6 +65,7 @@ def run_router_command(args: argparse.Namespace) -> int:
         allow_unauthenticated=args.allow_unauthenticated,
         pd_min_tail=args.pd_min_tail,
         trust_client_kv_params=args.trust_client_kv_params,
+        tracing=tracing,
     )
     check_port_free(args.host, args.port, "--port")
     tokenizer = load_tokenizer(args.model)

@@ -162,16 +162,19 @@ class UpstreamPool:
         body: bytes,
         content_type: str = "application/json",
         authorization: str | None = None,
+        extra_headers: str = "",
     ) -> UpstreamResponse:
         """POST `body`; the response with its headers read. A refused or timed-out connect is
         `Unreachable` at once; a pooled connection that the instance had closed (seen as an
         empty answer) is retried on a new one, so only a fresh connection's failure counts.
         An instance silent for `read_timeout` is `UpstreamTimeout` (never retried: it may be
-        working on it). `authorization` is sent as that header (no CR or LF in it)."""
+        working on it). `authorization` is sent as that header (no CR or LF in it);
+        `extra_headers` are header lines as they are sent, each ending in CRLF."""
         line = self._target("POST", base_url, path)[3]
         auth = f"Authorization: {authorization}\r\n" if authorization else ""
         head = line + (
-            f"{auth}Content-Type: {content_type}\r\nContent-Length: {len(body)}\r\n\r\n"
+            f"{auth}{extra_headers}Content-Type: {content_type}\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n"
         ).encode("latin-1")
         return await self._send("POST", base_url, path, head + body)
 

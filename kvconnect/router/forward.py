@@ -57,6 +57,7 @@ async def forward(
     source: str | None = None,
     streamed_usage: bool = False,
     load: tuple[int, int] = (0, 0),
+    trace_headers: str = "",
 ) -> Response:
     """Relay one request and its answer; a whole JSON answer's usage is checked against the
     index (`Router.check_cached`) and measures the instance's costs (and the pull's, from
@@ -64,10 +65,17 @@ async def forward(
     ends with a usage chunk (`streamed_usage`: the request asked for it), its time to first
     token against one completion token. `authorization` goes to the instance as that
     header; `load`: the requests in flight at the instance when it was sent, and the prompt
-    tokens they had still to compute (`Router.loads`)."""
+    tokens they had still to compute (`Router.loads`); `trace_headers`: the trace context
+    lines sent with it (router/tracing.py)."""
     start = time.perf_counter()
     try:
-        upstream = await pool.post(instance.url, request.path, raw, authorization=authorization)
+        upstream = await pool.post(
+            instance.url,
+            request.path,
+            raw,
+            authorization=authorization,
+            extra_headers=trace_headers,
+        )
     except UpstreamTimeout as e:
         return _timed_out(router, instance, e)
     streamed = False

@@ -1,8 +1,14 @@
-"""The router's state as Prometheus metrics (`GET /metrics`), read at scrape time."""
+"""The router's state as Prometheus metrics (`GET /metrics`), read at scrape time.
+
+Labels are bounded: `instance` (and `source`) by the instances the router was given,
+`outcome` by the code, `tier` by the tiers the router weighs (the defaults and
+`--tier-weights`): a tier only an event stream names (any medium string a publisher sends)
+is counted under `tier="other"`, so a stream cannot add series without bound.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest
@@ -12,6 +18,8 @@ from prometheus_client.registry import Collector
 from kvconnect.router.core import Router
 
 PREFIX = "kvconnect_router_"
+OTHER_TIER = "other"
+"""The `tier` label of the tiers the router has no weight for."""
 
 
 def _one(kind: type[Any], name: str, doc: str, value: float) -> Metric:
@@ -27,6 +35,15 @@ def _labelled(
     for key, value in sorted(values.items()):
         m.add_metric([key], value)  # type: ignore[attr-defined]
     return m
+
+
+def _by_known_tier(values: Mapping[str, float], known: Collection[str]) -> dict[str, float]:
+    """`values` per tier, the tiers not in `known` summed under `OTHER_TIER`."""
+    out: dict[str, float] = {}
+    for tier, value in values.items():
+        label = tier if tier in known else OTHER_TIER
+        out[label] = out.get(label, 0) + value
+    return out
 
 
 class RouterMetrics(Collector):
@@ -120,8 +137,11 @@ class RouterMetrics(Collector):
     def _instance_metrics(self) -> Iterator[Metric]:
         r = self.router
         with r.lock:
-            removed, stale = dict(r.index.stats.removed), dict(r.index.stats.stale)
+            known = set(r.index.tier_weights)
+            removed = _by_known_tier(r.index.stats.removed, known)
+            stale = _by_known_tier(r.index.stats.stale, known)
             schemes = r.index.schemes()
+        hits = _by_known_tier(dict(r.hit_blocks), known)
         names = [i.name for i in r.instances]
         C, G = CounterMetricFamily, GaugeMetricFamily
         for kind, name, doc, label, values in (
@@ -137,7 +157,7 @@ class RouterMetrics(Collector):
             (G, "instance_up", "1 while an instance is in rotation.", "instance",
              {n: float(r.health.is_up(n)) for n in names}),
             (C, "hit_blocks", "Cached prefix blocks of routed requests, by tier.", "tier",
-             dict(r.hit_blocks)),
+             hits),
             (C, "pd", "P/D requests by outcome (disaggregated, local: the decode instance "
              "lacked less than the pair's crossover, or --pd-min-tail until it is measured; "
              "prefill_failed, no_prefill_instance).", "outcome",

@@ -76,6 +76,7 @@ from kvconnect.router.forward import forward
 from kvconnect.router.metrics import RouterMetrics
 from kvconnect.router.pd import prefilled, with_source, without_params
 from kvconnect.router.replicas import LOAD_HOLD_S, load_after
+from kvconnect.router.tracing import RouterTracing, RouteTrace, passthrough
 
 logger = logging.getLogger(__name__)
 
@@ -103,6 +104,8 @@ class RouterOptions:
     """Relay a client's own `kv_transfer_params` (the client is a proxy); else they are
     dropped: a client must not make an instance pull from or lease to whom it says, nor read
     a prefill's peer address and lease in its answer."""
+    tracing: RouterTracing | None = None
+    """A span per routed request (`--otlp-traces-endpoint`, router/tracing.py); None: off."""
 
     def __post_init__(self) -> None:
         key = self.instance_api_key
@@ -169,6 +172,7 @@ class RouterServer:
         self.pool = UpstreamPool(read_timeout=options.upstream_timeout)
         self.pd_min_tail = options.pd_min_tail
         self.trust_client_kv_params = options.trust_client_kv_params
+        self.tracing = options.tracing
         keys = (options.api_key,) if isinstance(options.api_key, str) else options.api_key or ()
         token = options.admin_token or next(iter(keys), None)
         self._replica_auth = f"Bearer {token}" if token is not None else None
@@ -232,6 +236,11 @@ class RouterServer:
         return req, token_ids
 
     async def route(self, http: Request, chat: bool) -> Response:
+        if self.tracing is None:
+            return await self._route(http, chat, None)
+        return await self.tracing.traced(http, partial(self._route, http, chat))
+
+    async def _route(self, http: Request, chat: bool, trace: RouteTrace | None) -> Response:
         req, token_ids = await self._parse(http, chat)
         router = self.router
         authorization = self._authorization(http)
@@ -248,7 +257,8 @@ class RouterServer:
         if not router.prefill_names:  # a burst sharing a new prefix: computed once, not everywhere
             await router.wait_for_prefill(token_ids, req.cache_salt)
         while True:
-            picked = router.pick(token_ids, tried, req.cache_salt)
+            costs: dict[str, float] | None = None if trace is None else {}
+            picked = router.pick(token_ids, tried, req.cache_salt, costs)
             if picked is None:
                 return _none_answered(failed) if failed else _none_in_rotation()
             instance, score, source, _ = picked
@@ -282,6 +292,8 @@ class RouterServer:
                 # D counts what it pulled (or, vLLM, P's hits), not what its index entry says;
                 # an instance that pulled, what it pulled too
                 check = None if pulls_from else stale_check(req, token_ids)
+                if trace is not None and costs is not None:
+                    trace.decided(picked, len(token_ids), costs, pulls_from)
                 response = await forward(
                     http,
                     self.pool,
@@ -294,6 +306,7 @@ class RouterServer:
                     pulls_from,
                     req.stream and req.include_usage,
                     (others[instance.name], ahead[instance.name]),
+                    passthrough(http.headers) if trace is None else trace.headers(),
                 )
             except BaseException as e:
                 router.landed(instance.name, picked.computed)
@@ -302,6 +315,8 @@ class RouterServer:
                 if not isinstance(e, Unreachable):
                     raise
                 logger.warning("router: %s unreachable (%s); trying another", instance.name, e)
+                if trace is not None:
+                    trace.unreachable(instance.name, e)
                 router.mark_down(instance.name, f"forward failed: {e}")
                 failed = f"{instance.name}: {e}"
                 continue

@@ -15,6 +15,11 @@
                                                                    external_unspecified
     kvconnect_kv_events_total, kvconnect_kv_event_batches_*        the event stream
     kvconnect_connector_<stat>                                     the connector's own stats
+    kvconnect:offload_<stat>                                       the same, under the name
+                                                                   kvconnect's vLLM plugin
+                                                                   gives them in vLLM's
+                                                                   /metrics (one dashboard
+                                                                   for both engines)
 
 Every metric has vLLM's `model_name` label. Counters are updated by the engine thread as
 requests finish; the engine's gauges and totals come from one `EngineStats` snapshot
@@ -165,3 +170,8 @@ class _EngineGauges(Collector):
         )
         for key, value in stats.connector.items():
             yield counter(f"kvconnect_connector_{key}", f"Connector stat {key}.", value)
+            yield counter(  # kvconnect/vllm/adapter.py's OffloadPromMetrics names them so
+                f"kvconnect:offload_{key}",
+                f"kvconnect OffloadConnector: {key.replace('_', ' ')}.",
+                value,
+            )
