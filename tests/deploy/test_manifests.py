@@ -120,7 +120,7 @@ def test_the_router_names_every_vllm_pod_with_flags_kvconnect_accepts(tree: str)
     if "peer" in extra:  # the router names each peer as the instances' sources list them
         peer = extra["peer"]
         assert [i.peer for i in instances] == [(h, peer["port"]) for h in hosts]
-        assert peer["sources"] == hosts
+        assert peer["sources"] == [f"{h}:{peer['port']}" for h in hosts]
     else:
         assert [i.peer for i in instances] == [None] * replicas
 
