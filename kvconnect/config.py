@@ -119,7 +119,8 @@ class KVEventsConfig(JsonConfig):
     endpoint: str = None  # type: ignore[assignment]
     """ZMQ address of the live PUB stream. As in vLLM, an address with `*` or `::`, ipc and
     inproc are bound and any other is connected to (a collector that binds it); DP rank r
-    adds r to the port. Unset: `tcp://127.0.0.1:5557`, bound (vLLM binds `tcp://*:5557`)."""
+    adds r to the port (port 0 stays 0: each rank's port is the OS's choice, and a tcp port 0
+    is always bound). Unset: `tcp://127.0.0.1:5557`, bound (vLLM binds `tcp://*:5557`)."""
 
     replay_endpoint: str | None = None
     """ZMQ address of the ROUTER that serves replays; None disables replay."""
@@ -183,8 +184,13 @@ class KVEventsConfig(JsonConfig):
 
     @property
     def binds_endpoint(self) -> bool:
-        """Whether the publisher binds `endpoint` (else it connects to it)."""
-        return vllm_binds(self.endpoint) if self.bind is None else self.bind
+        """Whether the publisher binds `endpoint` (else it connects to it). A tcp port 0 is
+        bound whatever its host (nothing can be connected to on port 0)."""
+        if self.bind is not None:
+            return self.bind
+        return vllm_binds(self.endpoint) or (
+            self.endpoint.startswith("tcp://") and (self.endpoint.endswith(":0"))
+        )
 
 
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")

@@ -190,3 +190,54 @@ def test_the_loopback_default_endpoint_of_kvconnect_is_bound_where_vllm_would_co
     finally:
         pub.shutdown()
     assert os.environ.get("PYTHONHASHSEED") is None
+
+
+def test_the_router_discovers_a_stream_from_vllms_own_kv_event_sources_route(
+    ipc_dir: str,
+) -> None:
+    """vLLM 0.32's GET /kv_event_sources (its route, its publisher's resolved config, served
+    by FastAPI as `vllm serve` serves it) answers a map of DP rank to `KVEventsConfig`, not
+    PR #55844's list; the router reads it, and the stream it names is vLLM's."""
+    from types import SimpleNamespace
+
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+    from vllm.entrypoints.serve.instrumentator import basic
+
+    from kvconnect.router.discovery import parse_sources
+
+    pub = vllm_events.ZmqEventPublisher(
+        data_parallel_rank=0,
+        endpoint=f"ipc://{ipc_dir}/pub",
+        replay_endpoint=f"ipc://{ipc_dir}/replay",
+        topic="kv",
+    )
+    app = FastAPI()
+    app.include_router(basic.router)
+    configs = {0: pub.get_publisher_config()}
+    app.state.engine_client = SimpleNamespace(get_kv_event_sources=lambda: configs)
+    try:
+        answer = TestClient(app).get("/kv_event_sources")
+        assert answer.status_code == 200
+        assert sorted(answer.json()) == ["0"]  # vLLM's shape: a map, not a list
+        (source,) = parse_sources(answer.content)
+        assert (source.data_parallel_rank, source.topic) == (0, "kv")
+        assert (source.endpoint, source.replay_endpoint) == (
+            f"ipc://{ipc_dir}/pub",
+            f"ipc://{ipc_dir}/replay",
+        )
+        sub = KVEventSubscriber(source.endpoint, source.replay_endpoint, topic="kv", start_seq=0)
+        try:
+            removed = vllm_events.BlockRemoved(block_hashes=[5], medium="GPU")
+            got = None
+            for _ in range(50):  # until the subscription is up: vLLM's PUB drops before it
+                pub.publish(vllm_events.KVEventBatch(ts=time.time(), events=[removed]))
+                item = sub.recv(timeout=0.1)
+                if isinstance(item, ReceivedBatch):
+                    got = item
+                    break
+            assert got is not None and got.batch.events[0].block_hashes == [5]  # type: ignore[union-attr]
+        finally:
+            sub.close()
+    finally:
+        pub.shutdown()

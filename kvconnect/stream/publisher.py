@@ -53,6 +53,7 @@ from kvconnect.stream.wire import (
     END_SEQ,
     MAX_REQUEST_BYTES,
     SNAPSHOT_REQUEST,
+    KVEventSource,
     PublisherStatus,
     offset_endpoint,
     seq_frame,
@@ -82,6 +83,11 @@ class EventPublisher(ABC):
     @abstractmethod
     def publish(self, batch: KVEventBatch) -> None:
         """Hand over one step's batch; never blocks the caller and never changes `batch`."""
+
+    def source(self) -> KVEventSource | None:
+        """Where this rank's stream is, for `GET /kv_event_sources` (the addresses as bound:
+        a port 0 is the port the OS chose); None: no stream."""
+        return None
 
     @abstractmethod
     def shutdown(self, timeout: float = 1.0) -> None:
@@ -127,6 +133,8 @@ class ZmqEventPublisher(EventPublisher):
     way, as in vLLM. A bound tcp port 0 is the OS's choice: `endpoint` and `replay_endpoint`
     then name the port it chose.
     """
+
+    endpoint: str
 
     def __init__(
         self,
@@ -216,6 +224,11 @@ class ZmqEventPublisher(EventPublisher):
                 f"replay_endpoint={self.replay_endpoint!r}): {e}"
             ) from e
         return pub, replay
+
+    def source(self) -> KVEventSource:
+        return KVEventSource(
+            self._data_parallel_rank, self.endpoint, self.replay_endpoint, self.topic
+        )
 
     # -- caller side ----------------------------------------------------------------------
 
