@@ -148,6 +148,14 @@ class KVEventsConfig(JsonConfig):
     sockets are CURVE servers: encrypted, and only subscribers holding its public key
     (`<name>.key`) hear anything (stream/curve.py). None: plain, vLLM's wire."""
 
+    snapshot_endpoint: str | None = None
+    """vLLM PR #57789 (open): ZMQ address of a ROUTER that answers any request with the
+    stream's compacted state and the exact seq it covers (`stream/snapshots.py`). Set, the
+    publisher also has a 16-byte id appended to every live seq frame (24 bytes: readers that
+    want exactly 8 need the update the PR names) and sends an empty batch after each idle
+    second (a heartbeat, with its own seq). None: today's wire, unchanged; kvconnect's own
+    snapshots on the replay socket are there either way."""
+
     def __post_init__(self) -> None:
         name = type(self).__name__
         if not isinstance(self.enable_kv_cache_events, bool):
@@ -170,6 +178,16 @@ class KVEventsConfig(JsonConfig):
             if self.replay_endpoint == self.endpoint and not self.endpoint.endswith(":0"):
                 raise _fail(
                     name, "replay_endpoint", self.replay_endpoint, "must differ from endpoint"
+                )
+        if self.snapshot_endpoint is not None:
+            check_endpoint(name, "snapshot_endpoint", self.snapshot_endpoint)
+            taken = {self.endpoint, self.replay_endpoint}
+            if self.snapshot_endpoint in taken and not self.snapshot_endpoint.endswith(":0"):
+                raise _fail(
+                    name,
+                    "snapshot_endpoint",
+                    self.snapshot_endpoint,
+                    "must differ from endpoint and replay_endpoint",
                 )
         _check_int(name, "buffer_steps", self.buffer_steps, 1)
         _check_int(name, "hwm", self.hwm, 0)

@@ -8,6 +8,13 @@
              answer   [b"", topic, seq, payload] ...       BlockStored batches, seq = the fence
                       [b"", STATUS, END_SEQ, b""]
 
+    vLLM PR #57789 (open), with a snapshot endpoint only:
+    live:    [topic, seq (8 bytes) + PUBLISHER_ID (16 bytes), payload]; idle: an empty batch
+             every HEARTBEAT_INTERVAL_S (a heartbeat, with its own seq)
+    snapshot request  any one frame (REQ), or [b"", frame] (DEALER)
+             answer   [SNAPSHOT_SEQ (8 bytes, signed), PUBLISHER_ID, batch payload, ...]
+                      the state as of seq SNAPSHOT_SEQ (-1: nothing yet, -2: unavailable)
+
     discovery GET /kv_event_sources (HTTP, of the instance's API): a JSON list, one
              `KVEventSource` per DP rank, by rank (vLLM's since PR #55844)
 
@@ -72,6 +79,28 @@ def with_host(endpoint: str, host: str) -> str:
         return endpoint
     host = f"[{host}]" if ":" in host and not host.startswith("[") else host
     return f"tcp://{host}:{port}"
+
+
+HEARTBEAT_INTERVAL_S = 1.0
+"""PR #57789: a publisher with a snapshot endpoint that has sent nothing for this long sends
+an empty batch (its own seq), so a consumer sees the stream alive, learns the publisher's id
+and notices a dropped last batch."""
+PUBLISHER_ID_BYTES = 16
+"""PR #57789: the publisher's lifetime UUID, after the 8 seq bytes of every live message."""
+SNAPSHOT_NONE = -1
+"""A #57789 snapshot's seq when nothing was published yet."""
+SNAPSHOT_UNAVAILABLE = -2
+"""A #57789 snapshot's seq when the publisher cannot give its state (its reply bound)."""
+
+
+def split_seq_frame(frame: bytes) -> tuple[int, bytes | None] | None:
+    """(seq, publisher id) of a live seq frame: 8 bytes (vLLM's, no id) or 8 + 16 (PR
+    #57789); None for any other length."""
+    if len(frame) == 8:
+        return int.from_bytes(frame, "big"), None
+    if len(frame) == 8 + PUBLISHER_ID_BYTES:
+        return int.from_bytes(frame[:8], "big"), frame[8:]
+    return None
 
 
 def seq_frame(seq: int) -> bytes:
