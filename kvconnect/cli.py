@@ -197,9 +197,18 @@ def _router_flags(commands: Commands, common: Parser) -> None:
         "--instance",
         action="append",
         default=[],
-        help="URL,EVENTS_ENDPOINT[,REPLAY_ENDPOINT][,peer=HOST:PORT]; repeat per instance. The "
+        help="URL[,EVENTS_ENDPOINT[,REPLAY_ENDPOINT]][,peer=HOST:PORT]; repeat per instance. The "
         "URL is http:// (port 80 when it gives none); https:// is refused: TLS to instances is "
-        "not supported yet. peer=: where the instance's peer tier serves (others may pull from it)",
+        "not supported yet. Without EVENTS_ENDPOINT the streams are asked of the instance at "
+        "start (GET /kv_event_sources, vLLM's). peer=: where the instance's peer tier serves "
+        "(others may pull from it)",
+    )
+    r.add_argument(
+        "--discovery-timeout",
+        type=positive_float,
+        default=60.0,
+        help="seconds to wait at start for instances named by URL alone to say where their "
+        "KV event streams are",
     )
     r.add_argument(
         "--decode-instance",

@@ -119,7 +119,8 @@ class KVEventsConfig(JsonConfig):
     endpoint: str = None  # type: ignore[assignment]
     """ZMQ address of the live PUB stream. As in vLLM, an address with `*` or `::`, ipc and
     inproc are bound and any other is connected to (a collector that binds it); DP rank r
-    adds r to the port. Unset: `tcp://127.0.0.1:5557`, bound (vLLM binds `tcp://*:5557`)."""
+    adds r to the port (port 0 stays 0: each rank's port is the OS's choice, and a tcp port 0
+    is always bound). Unset: `tcp://127.0.0.1:5557`, bound (vLLM binds `tcp://*:5557`)."""
 
     replay_endpoint: str | None = None
     """ZMQ address of the ROUTER that serves replays; None disables replay."""
@@ -147,6 +148,14 @@ class KVEventsConfig(JsonConfig):
     sockets are CURVE servers: encrypted, and only subscribers holding its public key
     (`<name>.key`) hear anything (stream/curve.py). None: plain, vLLM's wire."""
 
+    snapshot_endpoint: str | None = None
+    """vLLM PR #57789 (open): ZMQ address of a ROUTER that answers any request with the
+    stream's compacted state and the exact seq it covers (`stream/snapshots.py`). Set, the
+    publisher also has a 16-byte id appended to every live seq frame (24 bytes: readers that
+    want exactly 8 need the update the PR names) and sends an empty batch after each idle
+    second (a heartbeat, with its own seq). None: today's wire, unchanged; kvconnect's own
+    snapshots on the replay socket are there either way."""
+
     def __post_init__(self) -> None:
         name = type(self).__name__
         if not isinstance(self.enable_kv_cache_events, bool):
@@ -170,6 +179,16 @@ class KVEventsConfig(JsonConfig):
                 raise _fail(
                     name, "replay_endpoint", self.replay_endpoint, "must differ from endpoint"
                 )
+        if self.snapshot_endpoint is not None:
+            check_endpoint(name, "snapshot_endpoint", self.snapshot_endpoint)
+            taken = {self.endpoint, self.replay_endpoint}
+            if self.snapshot_endpoint in taken and not self.snapshot_endpoint.endswith(":0"):
+                raise _fail(
+                    name,
+                    "snapshot_endpoint",
+                    self.snapshot_endpoint,
+                    "must differ from endpoint and replay_endpoint",
+                )
         _check_int(name, "buffer_steps", self.buffer_steps, 1)
         _check_int(name, "hwm", self.hwm, 0)
         _check_int(name, "max_queue_size", self.max_queue_size, 1)
@@ -183,8 +202,13 @@ class KVEventsConfig(JsonConfig):
 
     @property
     def binds_endpoint(self) -> bool:
-        """Whether the publisher binds `endpoint` (else it connects to it)."""
-        return vllm_binds(self.endpoint) if self.bind is None else self.bind
+        """Whether the publisher binds `endpoint` (else it connects to it). A tcp port 0 is
+        bound whatever its host (nothing can be connected to on port 0)."""
+        if self.bind is not None:
+            return self.bind
+        return vllm_binds(self.endpoint) or (
+            self.endpoint.startswith("tcp://") and (self.endpoint.endswith(":0"))
+        )
 
 
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")

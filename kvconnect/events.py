@@ -16,6 +16,18 @@ array `["BlockStored", block_hashes, parent_block_hash, ...]` with trailing defa
 of 2 or 3 elements (or more), unknown keys, int or bytes hashes. Anything it cannot read raises
 `EventDecodeError`, and only that.
 
+`ownership` (vLLM PR #52067, in 0.33 on BlockStored at 12 and BlockRemoved at 4): which
+secondary offloading tier generated the event; None is the engine's own (its block pool and its
+connector's tiers). kvconnect's connectors leave it None, by choice: in vLLM 0.33 only a
+secondary tier beside the offloading connector sets it (KVCR: "kvcr"), its own CPU and storage
+tiers do not; and Dynamo reads a set ownership as another residency domain whose events bypass
+its per-worker refcounts, on the promise of one residency per (owner, tier, hash). kvconnect's
+tiers are the engine's and may announce one block twice (a tail and the whole chunk, counted by
+holders), so marking them would make such a reader drop a block on its first removal. Readers
+here keep ownership as vLLM does: the publisher's state counts each ownership apart
+(`stream/state.py`); the router counts holders per tier, which a domain that balances its own
+removals leaves right.
+
 Field order matters for the legacy form; never insert a field, only append.
 This module imports nothing from the rest of the package.
 """
@@ -114,7 +126,8 @@ class BlockStored(KVCacheEvent):
     locality: str | None = None
     """"LOCAL" or "REMOTE" relative to the publisher; None: unspecified (vLLM 0.26+)."""
     ownership: str | None = None
-    """A secondary offloading tier's identifier, if one generated the event."""
+    """A secondary offloading tier's identifier, if one generated the event (None: the
+    engine's own, what kvconnect's connectors publish; see the module docstring)."""
     session_id: str | None = None
     """The session whose request stored or reused the blocks."""
     lookahead_token_ids: list[list[int]] | None = None
@@ -129,6 +142,7 @@ class BlockRemoved(KVCacheEvent):
     group_idx: int | None = None
     locality: str | None = None
     ownership: str | None = None
+    """As BlockStored's: whose residency is removed (None: the engine's own)."""
 
 
 class AllBlocksCleared(KVCacheEvent):

@@ -24,7 +24,9 @@ def test_events_defaults_match_vllm_except_loopback_endpoint() -> None:
         "topic",
         "bind",
         "curve_secret_key_file",
+        "snapshot_endpoint",
     ]
+    assert c.snapshot_endpoint is None  # vLLM PR #57789's, off: today's wire
     assert c.curve_secret_key_file is None  # kvconnect only: plain unless a key file is named
     assert c.bind is True  # no endpoint given: the loopback default is bound
 

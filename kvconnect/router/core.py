@@ -123,7 +123,7 @@ class Instance:
     @classmethod
     def parse(cls, spec: str) -> Instance:
         """`URL,EVENTS_ENDPOINT[,REPLAY_ENDPOINT][,peer=HOST:PORT]`, the URL an http:// one
-        (`check_url`)."""
+        (`check_url`). A URL alone (`URL[,peer=...]`) is `discovery.parse_instance`'s."""
         parts = spec.split(",")
         peer = None
         if len(parts) > 2 and parts[-1].startswith("peer="):
@@ -134,7 +134,7 @@ class Instance:
             or not all(p.startswith(("tcp://", "ipc://", "inproc://")) for p in parts[1:])
         ):
             raise ValueError(
-                f"--instance {spec!r}: expected URL,EVENTS_ENDPOINT[,REPLAY_ENDPOINT]"
+                f"--instance {spec!r}: expected URL[,EVENTS_ENDPOINT[,REPLAY_ENDPOINT]]"
                 "[,peer=HOST:PORT] (e.g. http://127.0.0.1:8001,tcp://127.0.0.1:18001,"
                 "tcp://127.0.0.1:28001,peer=127.0.0.1:7100)"
             )

@@ -17,6 +17,10 @@
                                 renders them -> count, max_model_len, tokens (token_strs)
     POST /detokenize            vLLM's: tokens -> prompt (the text, special tokens kept)
     GET  /version               kvconnect's version, as vLLM answers with its own
+    GET  /kv_event_sources      where the KV event streams are, vLLM's list (PR #55844): one
+                                {data_parallel_rank, endpoint, replay_endpoint, topic} per
+                                rank, the ports as bound, a wildcard host given as the address
+                                the request came in on; [] when events are off
     GET  /health                200 while the engine runs, 503 once it failed (status
                                 "error") or while its connector is stuck ("stalled")
     GET  /metrics               Prometheus (see metrics.py)
@@ -47,6 +51,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
+import msgspec
 from aiohttp import web
 
 from kvconnect import __version__
@@ -78,6 +83,7 @@ from kvconnect.serve.prepare import (
     prepare,
 )
 from kvconnect.serve.tokens import detokenize_body, tokenize_body
+from kvconnect.stream.wire import KVEventSource, with_host
 from kvconnect.transfer_params import LEASE_OWNER, check_source, source_of
 
 logger = logging.getLogger(__name__)
@@ -118,8 +124,11 @@ class OpenAIServer:
         model_name: str,
         metrics: ServeMetrics,
         options: ServeOptions | None = None,
+        event_sources: list[KVEventSource] | None = None,
     ):
+        """`event_sources`: the publisher's streams, by DP rank (none: events off)."""
         self.engine = engine
+        self.event_sources = sorted(event_sources or [], key=lambda s: s.data_parallel_rank)
         self.info = engine.info
         self.model_name = model_name
         self.metrics = metrics
@@ -306,6 +315,19 @@ class OpenAIServer:
             return error_response(e)
         return web.Response(body=body, content_type="application/json")
 
+    async def kv_event_sources(self, http: web.Request) -> web.Response:
+        sockname = http.transport.get_extra_info("sockname") if http.transport else None
+        host = str(sockname[0]) if sockname else "127.0.0.1"
+        sources = [
+            msgspec.structs.replace(
+                s,
+                endpoint=with_host(s.endpoint, host),
+                replay_endpoint=s.replay_endpoint and with_host(s.replay_endpoint, host),
+            )
+            for s in self.event_sources
+        ]
+        return web.Response(body=msgspec.json.encode(sources), content_type="application/json")
+
     async def version(self, _: web.Request) -> web.Response:
         return web.json_response({"version": __version__})
 
@@ -332,6 +354,7 @@ def make_app(server: OpenAIServer) -> web.Application:
     app.router.add_post("/tokenize", server.tokenize)
     app.router.add_post("/detokenize", server.detokenize)
     app.router.add_get("/version", server.version)
+    app.router.add_get("/kv_event_sources", server.kv_event_sources)
     app.router.add_get("/health", server.health)
     app.router.add_get("/metrics", server.prometheus)
     return app
@@ -368,7 +391,8 @@ async def _serve(
         metrics.finished(request, ttft, time.monotonic() - job.submitted)
 
     engine = EngineLoop(llm, on_fatal=fatal, on_finished=finished)
-    server = OpenAIServer(engine, model_name, metrics, options)
+    source = llm.publisher.source()
+    server = OpenAIServer(engine, model_name, metrics, options, [source] if source else [])
     listener = Listener(make_app(server), options.limits)
     try:
         await listener.start(host, port)

@@ -22,6 +22,12 @@ new publisher on the same address) is a new stream whatever its seqs. It travels
 terminator (`wire.PublisherStatus`). A replay request from a seq beyond the ring is the cheap
 first-contact handshake: the terminator alone, with the epoch and the next seq.
 
+vLLM PR #57789 (open), with `snapshot_endpoint` set (else nothing of it, the wire unchanged):
+a random 16-byte `publisher_id` after the 8 seq bytes of every live message, an empty batch
+(its own seq) after each idle `HEARTBEAT_INTERVAL_S` (sent by the sending thread through
+`publish()`: in the ring, the state and the snapshots like any batch), and the snapshot
+service (`snapshots.py`), fed each batch before it is sent.
+
 The live socket is an XPUB (on the wire the same as vLLM's PUB): it sees its subscribers'
 subscriptions, so `num_subscriptions` and `wait_for_subscriber()` tell whether anyone listens.
 
@@ -32,10 +38,12 @@ a publisher has no such thing, so callers never ask which kind they hold.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
 import time
+import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from queue import Empty, SimpleQueue
@@ -48,11 +56,14 @@ from kvconnect.config import KVEventsConfig
 from kvconnect.events import KVEventBatch, encode_batch
 from kvconnect.stream.curve import CurveServerKeys
 from kvconnect.stream.replay import ReplayRing, ReplayServer, open_replay_socket
+from kvconnect.stream.snapshots import SnapshotServer, open_snapshot_socket
 from kvconnect.stream.state import StreamState
 from kvconnect.stream.wire import (
     END_SEQ,
+    HEARTBEAT_INTERVAL_S,
     MAX_REQUEST_BYTES,
     SNAPSHOT_REQUEST,
+    KVEventSource,
     PublisherStatus,
     offset_endpoint,
     seq_frame,
@@ -82,6 +93,11 @@ class EventPublisher(ABC):
     @abstractmethod
     def publish(self, batch: KVEventBatch) -> None:
         """Hand over one step's batch; never blocks the caller and never changes `batch`."""
+
+    def source(self) -> KVEventSource | None:
+        """Where this rank's stream is, for `GET /kv_event_sources` (the addresses as bound:
+        a port 0 is the port the OS chose); None: no stream."""
+        return None
 
     @abstractmethod
     def shutdown(self, timeout: float = 1.0) -> None:
@@ -128,6 +144,8 @@ class ZmqEventPublisher(EventPublisher):
     then name the port it chose.
     """
 
+    endpoint: str
+
     def __init__(
         self,
         config: KVEventsConfig,
@@ -139,6 +157,13 @@ class ZmqEventPublisher(EventPublisher):
         self.config = config
         self.endpoint = offset_endpoint(config.endpoint, data_parallel_rank) or config.endpoint
         self.replay_endpoint = offset_endpoint(config.replay_endpoint, data_parallel_rank)
+        self.snapshot_endpoint = offset_endpoint(config.snapshot_endpoint, data_parallel_rank)
+        """PR #57789's snapshot service, as bound; None: off (no id, no heartbeats)."""
+        self.publisher_id = uuid.uuid4().bytes if self.snapshot_endpoint is not None else None
+        """PR #57789: this publisher's lifetime id, in every live seq frame; None: off."""
+        self._id_suffix = self.publisher_id or b""
+        self._last_publish = time.monotonic()
+        self.num_heartbeats = 0
         self.topic = config.topic
         self._topic_bytes = config.topic.encode()
         self._max_queue_size = config.max_queue_size
@@ -160,7 +185,11 @@ class ZmqEventPublisher(EventPublisher):
         self._subscriptions_changed = threading.Condition()
 
         ctx = context or zmq.Context.instance()
-        self._pub, replay_sock = self._open_sockets(ctx)
+        self._pub, replay_sock, snapshot_sock = self._open_sockets(ctx)
+        self._snapshots: SnapshotServer | None = None
+        if snapshot_sock is not None:
+            assert self.publisher_id is not None
+            self._snapshots = SnapshotServer(snapshot_sock, self.publisher_id, data_parallel_rank)
         self._sender = threading.Thread(target=self._send_loop, name="kv-events-pub", daemon=True)
         self._sender.start()
         self._replay: ReplayServer | None = None
@@ -179,7 +208,7 @@ class ZmqEventPublisher(EventPublisher):
 
     def _open_sockets(
         self, ctx: zmq.Context[Any]
-    ) -> tuple[zmq.Socket[bytes], zmq.Socket[bytes] | None]:
+    ) -> tuple[zmq.Socket[bytes], zmq.Socket[bytes] | None, zmq.Socket[bytes] | None]:
         key_file = self.config.curve_secret_key_file
         try:
             curve = CurveServerKeys.from_file(key_file) if key_file else None
@@ -187,6 +216,7 @@ class ZmqEventPublisher(EventPublisher):
             raise ValueError(f"KVEventsConfig.curve_secret_key_file={key_file!r}: {e}") from None
         pub: zmq.Socket[bytes] = ctx.socket(zmq.XPUB)
         replay: zmq.Socket[bytes] | None = None
+        snapshot: zmq.Socket[bytes] | None = None
         try:
             if curve is not None:
                 curve.apply(pub)
@@ -207,15 +237,26 @@ class ZmqEventPublisher(EventPublisher):
                 if curve is not None:
                     curve.apply(replay)
                 self.replay_endpoint = _bind(replay, self.replay_endpoint)
+            if self.snapshot_endpoint is not None:
+                snapshot = open_snapshot_socket(ctx)
+                if curve is not None:
+                    curve.apply(snapshot)
+                self.snapshot_endpoint = _bind(snapshot, self.snapshot_endpoint)
         except zmq.ZMQError as e:
-            pub.close(linger=0)
-            if replay is not None:
-                replay.close(linger=0)
+            for sock in (pub, replay, snapshot):
+                if sock is not None:
+                    sock.close(linger=0)
             raise RuntimeError(
                 f"cannot open KV event sockets (endpoint={self.endpoint!r}, "
-                f"replay_endpoint={self.replay_endpoint!r}): {e}"
+                f"replay_endpoint={self.replay_endpoint!r}, "
+                f"snapshot_endpoint={self.snapshot_endpoint!r}): {e}"
             ) from e
-        return pub, replay
+        return pub, replay, snapshot
+
+    def source(self) -> KVEventSource:
+        return KVEventSource(
+            self._data_parallel_rank, self.endpoint, self.replay_endpoint, self.topic
+        )
 
     # -- caller side ----------------------------------------------------------------------
 
@@ -230,11 +271,16 @@ class ZmqEventPublisher(EventPublisher):
                 raise RuntimeError("ZmqEventPublisher.publish() called after shutdown()")
             seq = self._next_seq
             self._next_seq = seq + 1
+            self._last_publish = time.monotonic()
             seq_bytes = seq_frame(seq)
             with self._ring.lock:
                 self._ring.entries.append((seq, seq_bytes, payload))
             if self._replay is not None:
                 self._replay.observe(seq, batch)
+            if self._snapshots is not None:
+                self._snapshots.observe(seq, batch)
+            # Live frames carry the id (PR #57789); replay answers keep vLLM's 8 bytes.
+            seq_bytes += self._id_suffix
             if self._send_now(seq_bytes, payload):
                 return
             if self._num_queued - self._num_dequeued >= self._max_queue_size:
@@ -339,6 +385,8 @@ class ZmqEventPublisher(EventPublisher):
             self._sender.join(0.5)
         if self._replay is not None:
             self._replay.stop(1.0)
+        if self._snapshots is not None:
+            self._snapshots.stop(1.0)
 
     # -- the sending thread -----------------------------------------------------------------
 
@@ -356,6 +404,7 @@ class ZmqEventPublisher(EventPublisher):
                     except Empty:
                         if self._abandon:
                             break
+                        self._heartbeat()
                         continue
                 if item is None or self._abandon:
                     break
@@ -376,6 +425,17 @@ class ZmqEventPublisher(EventPublisher):
             linger_ms = int(max(0.0, self._deadline - time.monotonic()) * 1000)
             with self._sock_lock:
                 pub.close(linger=linger_ms)
+
+    def _heartbeat(self) -> None:
+        """PR #57789: an empty batch when nothing was published for HEARTBEAT_INTERVAL_S (only
+        with a snapshot endpoint). Through `publish()`, so it is a batch like any other."""
+        if self.publisher_id is None or self._closed:
+            return
+        if time.monotonic() - self._last_publish < HEARTBEAT_INTERVAL_S:
+            return
+        with contextlib.suppress(RuntimeError):  # shut down meanwhile
+            self.publish(KVEventBatch(time.time(), [], self._data_parallel_rank))
+            self.num_heartbeats += 1
 
     def _read_subscriptions(self, pub: zmq.Socket[bytes]) -> None:
         """Count the subscribe (b"\x01topic") and unsubscribe (b"\x00topic") messages."""

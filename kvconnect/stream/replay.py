@@ -112,7 +112,7 @@ SNAPSHOT_TOKENS_PER_BATCH = 1 << 20
 so it stays far below the subscriber's `wire.MAX_BATCH_BYTES` whatever its events hold."""
 
 
-def _snapshot_chunks(events: list[BlockStored]) -> list[list[Any]]:
+def snapshot_chunks(events: list[BlockStored]) -> list[list[Any]]:
     """`events` cut into batches of at most SNAPSHOT_EVENTS_PER_BATCH events and (but for a
     single larger event) SNAPSHOT_TOKENS_PER_BATCH token ids and hashes; one batch at least."""
     chunks: list[list[Any]] = [[]]
@@ -293,7 +293,7 @@ class ReplayServer:
             fence = max(0, state.seq).to_bytes(8, "big")
             # Nothing published yet: no snapshot (replay from 0 is the whole stream). Else at
             # least one batch, which names the stream (topic, rank) even when it holds nothing.
-            chunks = [] if state.seq < 0 else _snapshot_chunks(state.events())
+            chunks = [] if state.seq < 0 else snapshot_chunks(state.events())
             rank = self._data_parallel_rank
             parts = tuple((fence, encode_batch(KVEventBatch(time.time(), c, rank))) for c in chunks)
             cached = self._snapshot_cache = (state.seq, parts)

@@ -6,8 +6,11 @@ longer holds, or rebuilt its index can get the whole current state of the instan
 cached blocks and its tiers' contents, as BlockStored events, fenced by the seq they are current
 at. Applying the stream's later batches to the snapshot gives the truth again.
 
-Blocks are counted per (medium, locality, block hash): a disk and a Redis are both STORAGE, one
-LOCAL and one REMOTE, and each holds its own copy. a BlockStored adds one per hash, a BlockRemoved
+Blocks are counted per (medium, locality, ownership, block hash): a disk and a Redis are both
+STORAGE, one LOCAL and one REMOTE, and each holds its own copy; a secondary tier's events
+(`ownership` set, vLLM 0.33's KVCR) are a residency of their own beside the engine's (vLLM's
+offloading connector and its snapshot recorder key them so too), so its removal never takes the
+engine's copy away. A BlockStored adds one per hash, a BlockRemoved
 takes one away, AllBlocksCleared (vLLM's, unscoped) forgets everything. A snapshot re-emits each
 still-held block with the fields of the BlockStored that first announced it, consecutive held
 blocks of one event as one event, and a block held twice (two blocks with one hash) twice.
@@ -21,8 +24,8 @@ from msgspec.structs import replace
 
 from kvconnect.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 
-_Where = tuple[str | None, str | None]
-"""(medium, locality) of a tier."""
+_Where = tuple[str | None, str | None, str | None]
+"""(medium, locality, ownership): a tier, and whose residency (None: the engine's own)."""
 
 
 class StreamState:
@@ -30,8 +33,8 @@ class StreamState:
         self.seq = -1
         """The last seq applied (-1: none)."""
         self._media: dict[_Where, dict[int | bytes, BlockStored]] = {}
-        """(medium, locality) -> hash -> the BlockStored that announced it (no allocation per
-        block)."""
+        """(medium, locality, ownership) -> hash -> the BlockStored that announced it (no
+        allocation per block)."""
         self._extra: Counter[tuple[_Where, int | bytes]] = Counter()
         """(where, hash) held more than once: the copies beyond the first."""
 
@@ -43,7 +46,7 @@ class StreamState:
         for ev in batch.events:
             kind = type(ev)
             if kind is BlockStored:
-                where = (ev.medium, ev.locality)  # type: ignore[union-attr]
+                where = (ev.medium, ev.locality, ev.ownership)  # type: ignore[union-attr]
                 held = media.get(where)
                 if held is None:
                     held = media[where] = {}
@@ -53,7 +56,7 @@ class StreamState:
                     else:
                         held[h] = ev  # type: ignore[assignment]
             elif kind is BlockRemoved:
-                where = (ev.medium, ev.locality)  # type: ignore[union-attr]
+                where = (ev.medium, ev.locality, ev.ownership)  # type: ignore[union-attr]
                 held = media.get(where)
                 if held is None:
                     continue
@@ -97,7 +100,7 @@ class StreamState:
     def check_integrity(self) -> None:
         for where, held in self._media.items():
             for h, ev in held.items():
-                assert (ev.medium, ev.locality) == where and h in ev.block_hashes
+                assert (ev.medium, ev.locality, ev.ownership) == where and h in ev.block_hashes
         for (where, h), n in self._extra.items():
             assert n >= 1 and h in self._media.get(where, {}), "a copy of a block not held"
 

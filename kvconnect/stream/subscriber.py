@@ -10,13 +10,21 @@ Per publisher stream it keeps the last seq it yielded and:
   (vLLM's) is taken to have restarted when its seq goes back;
 - `start_seq` (e.g. 0): catches up from that seq through replay as soon as the connection is
   up, so an idle publisher's history arrives without waiting for its next batch;
-- frames that are not 3 frames with an 8-byte seq, and payloads that do not decode, are
+- frames that are not 3 frames with an 8-byte (or 24-byte) seq, and payloads that do not decode, are
   counted and skipped with a log line; nothing a peer sends ends the subscriber;
 - `snapshots=True`: at first contact, and after any loss replay cannot repair, asks a kvconnect
   publisher for the full state of its stream and yields it as a `StreamSnapshot` (replace what
   you hold for that stream), then the batches after its fence, so a consumer's view converges
   to the instance's truth whatever it missed. A publisher without snapshots (vLLM's) answers
   with nothing, and the subscriber goes on as without the option;
+- `snapshot_endpoint` (vLLM PR #57789, open; with `snapshots=True`): the publisher's snapshot
+  service. Its bootstrap is the PR's: wait for a live message (a heartbeat comes within a
+  second), ask for the snapshot while live batches wait in the socket, yield it as a
+  `StreamSnapshot` at the seq it names, then only the batches after it, from the same
+  publisher id; a gap replay cannot fill, or a new id (a restart: `PublisherRestarted`),
+  bootstraps again. An unavailable snapshot (-2) or none in time: as without it;
+- live seq frames of 8 bytes (vLLM's) or 8 + a 16-byte publisher id (PR #57789) are read
+  alike; empty batches (its heartbeats) are batches like any other;
 - `caught_up`: the endpoints whose state it has queued whole (snapshot and replay); a
   consumer that must not act on a partial view (the router's first decision) waits for them;
 - `max_message_size`: a frame larger than this (default `wire.MAX_BATCH_BYTES`, 64 MiB, over
@@ -56,7 +64,14 @@ from zmq.utils.monitor import parse_monitor_message
 
 from kvconnect.events import EventDecodeError, KVEventBatch, decode_batch
 from kvconnect.stream.curve import CurveClientKeys
-from kvconnect.stream.wire import END_SEQ, MAX_BATCH_BYTES, SNAPSHOT_REQUEST, PublisherStatus
+from kvconnect.stream.wire import (
+    END_SEQ,
+    MAX_BATCH_BYTES,
+    SNAPSHOT_NONE,
+    SNAPSHOT_REQUEST,
+    PublisherStatus,
+    split_seq_frame,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -126,7 +141,9 @@ ReplayEndpoints = str | Sequence[str | None] | Mapping[int, str] | None
 
 _DRAIN = 16  # live messages read per socket per poll
 _PROBE_SEQ = 2**64 - 1  # a replay from here returns only the terminator (with the status)
-_MONITORED = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+_MONITORED = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
+_RECONNECT_NOTICE_MS = 100
+"""After a disconnect, how long libzmq may take to say it reconnects (it does so at once)."""
 
 
 @dataclass
@@ -150,6 +167,10 @@ class _Source:
     monitor: zmq.Socket[bytes] | None
     epoch: str | None = None
     """The publisher's epoch (connect layout: one address, one publisher)."""
+    publisher_id: bytes | None = None
+    """PR #57789: the id in the publisher's live seq frames (None: it sends none)."""
+    bootstrap: bool = False
+    """PR #57789: the next live message starts a snapshot bootstrap."""
 
 
 @dataclass
@@ -180,6 +201,7 @@ class KVEventSubscriber:
         start_seq: int | None = None,
         snapshots: bool = False,
         replay_timeout: float = 2.0,
+        snapshot_endpoint: str | Sequence[str | None] | None = None,
         hwm: int = 100_000,
         max_message_size: int = MAX_BATCH_BYTES,
         curve: CurveClientKeys | None = None,
@@ -189,6 +211,17 @@ class KVEventSubscriber:
         if not self.endpoints:
             raise ValueError("endpoint: at least one endpoint is needed")
         self._replay_by_source, self._replay_by_rank = self._resolve_replay(replay_endpoint)
+        if snapshot_endpoint is None or isinstance(snapshot_endpoint, str):
+            if isinstance(snapshot_endpoint, str) and len(self.endpoints) > 1:
+                raise ValueError("snapshot_endpoint: give one per endpoint (a list)")
+            self._snapshot_by_source = [snapshot_endpoint] * len(self.endpoints)
+        elif len(snapshot_endpoint) != len(self.endpoints):
+            raise ValueError(
+                f"snapshot_endpoint: {len(snapshot_endpoint)} given for "
+                f"{len(self.endpoints)} endpoints"
+            )
+        else:
+            self._snapshot_by_source = list(snapshot_endpoint)
         if start_seq is not None and start_seq < 0:
             raise ValueError(f"start_seq must be >= 0, got {start_seq}")
         self._start_seq = start_seq
@@ -228,6 +261,8 @@ class KVEventSubscriber:
         self.num_duplicates = 0
         self.num_handshakes = 0
         self.num_snapshots = 0
+        self.num_bootstraps = 0
+        """PR #57789 snapshots applied (first contact, a restart, a loss)."""
         self.connected: set[str] = set()
         """Endpoints whose publisher this subscriber has reached at least once."""
         self.handshaking = False
@@ -351,9 +386,18 @@ class KVEventSubscriber:
         if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
             self._handshake(source)
         elif event["event"] == zmq.EVENT_DISCONNECTED:
-            # libzmq reconnects after a lost connection but never after a protocol error (a
-            # frame over MAXMSGSIZE): connect again so the stream always comes back (what it
-            # missed meanwhile is replayed, or reported lost).
+            # libzmq reconnects after a lost connection (it says so: CONNECT_RETRIED, right
+            # after) but never after a protocol error (a frame over MAXMSGSIZE): then connect
+            # again so the stream always comes back (what it missed is replayed, or reported
+            # lost). Not otherwise: a disconnect() of a connection libzmq had already brought
+            # back, its messages queued, aborted the process in libzmq (fq.cpp `!_more`).
+            while sock.poll(_RECONNECT_NOTICE_MS):
+                following = parse_monitor_message(sock.recv_multipart())["event"]
+                if following == zmq.EVENT_CONNECT_RETRIED:
+                    return
+                if following == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                    self._handshake(source)
+                    return
             source.sub.disconnect(source.endpoint)
             source.sub.connect(source.endpoint)
 
@@ -368,6 +412,10 @@ class KVEventSubscriber:
 
     def _catch_up(self, source: _Source) -> None:
         self.connected.add(source.endpoint)
+        streams = [st for st in self._streams.values() if st.source == source.index]
+        if self._bootstraps(source) and all(st.last_seq is None for st in streams):
+            source.bootstrap = True  # PR #57789: on the first live message (`_on_live`)
+            return
         replay = self._replay_for(source.index, None)
         if replay is None:
             self.caught_up.add(source.endpoint)  # live only: nothing to catch up with
@@ -412,14 +460,85 @@ class KVEventSubscriber:
         if self._resync(source, replay) or (answer.complete and not lost):
             self.caught_up.add(source.endpoint)
 
-    def _resync(self, source: _Source, replay: str) -> bool:
+    def _resync(self, source: _Source, replay: str | None, topic: bytes | None = None) -> bool:
         """After losses replay could not repair (`_lost`), the publisher's snapshot, queued
-        after everything the repair yielded (with `snapshots=True`); whether one came."""
+        after everything the repair yielded (with `snapshots=True`); whether one came. A
+        PR #57789 snapshot service is asked first, then kvconnect's replay socket."""
         resynced = False
         if self._unrepaired and self._snapshots:
-            resynced = self._snapshot(source, replay) is not None
+            if self._bootstraps(source):
+                if topic is None:
+                    topic = next(
+                        (
+                            st.id.topic.encode()
+                            for st in self._streams.values()
+                            if st.source == source.index
+                        ),
+                        self._topic,
+                    )
+                resynced = self._bootstrap(source, topic) is not None
+            if not resynced and replay is not None:
+                resynced = self._snapshot(source, replay) is not None
         self._unrepaired = False
         return resynced
+
+    def _bootstraps(self, source: _Source) -> bool:
+        return self._snapshots and self._snapshot_by_source[source.index] is not None
+
+    def _bootstrap(self, source: _Source, topic: bytes) -> int | None:
+        """PR #57789: the publisher's snapshot, queued as a `StreamSnapshot` of the stream of
+        `topic` (the answer names no topic: the live message's), which resumes after its seq;
+        the seq, or None if none came (unavailable, another publisher id, no answer)."""
+        endpoint = self._snapshot_by_source[source.index]
+        assert endpoint is not None
+        frames = self._request(endpoint, [b"", b"snapshot"])
+        if frames is None or len(frames) < 2 or len(frames[0]) != 8:
+            return None
+        seq = int.from_bytes(frames[0], "big", signed=True)
+        if seq < SNAPSHOT_NONE:
+            logger.warning("KV event subscriber: %s: snapshot unavailable (%d)", endpoint, seq)
+            return None
+        if source.publisher_id is not None and frames[1] != source.publisher_id:
+            return None  # a restart in between: its live messages will say so
+        source.publisher_id = frames[1]
+        batches = [self._decode(payload, seq) for payload in frames[2:]]
+        if any(b is None for b in batches):
+            return None  # a snapshot is whole or not at all
+        events = [e for b in batches if b is not None for e in b.events]
+        rank = batches[0].data_parallel_rank if batches and batches[0] else None
+        stream = self._stream(source.index, topic, rank)
+        self._pending.append(
+            StreamSnapshot(stream.id, seq, KVEventBatch(time.time(), events, rank))
+        )
+        self.num_snapshots += 1
+        self.num_bootstraps += 1
+        stream.last_seq = None if seq == SNAPSHOT_NONE else seq
+        stream.dup_until = seq
+        return seq
+
+    def _request(self, endpoint: str, request: list[bytes]) -> list[bytes] | None:
+        """One request and its one-message answer on a DEALER (its envelope removed); None
+        after `replay_timeout` without it."""
+        sock = self._ctx.socket(zmq.DEALER)
+        try:
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.MAXMSGSIZE, self._max_message_size)
+            if self._curve is not None:
+                self._curve.apply(sock)
+            sock.connect(endpoint)
+            sock.send_multipart(request)
+            if not sock.poll(int(self._replay_timeout * 1000)):
+                self.num_replay_failures += 1
+                logger.warning("KV event subscriber: no snapshot from %s", endpoint)
+                return None
+            frames: list[bytes] = sock.recv_multipart()
+            return frames[1:] if frames[:1] == [b""] else frames
+        except zmq.ZMQError as e:
+            self.num_replay_failures += 1
+            logger.warning("KV event subscriber: snapshot from %s failed: %s", endpoint, e)
+            return None
+        finally:
+            sock.close(linger=0)
 
     def _snapshot(self, source: _Source, replay: str) -> int | None:
         """Ask the publisher at `replay` for its state and queue it as `StreamSnapshot`s (one
@@ -457,20 +576,32 @@ class KVEventSubscriber:
         stream.last_seq, stream.dup_until = None, -1
 
     def _on_live(self, source: _Source, frames: list[bytes]) -> None:
-        if len(frames) != 3 or len(frames[1]) != 8:
+        parsed = split_seq_frame(frames[1]) if len(frames) == 3 else None
+        if parsed is None:
             self.num_bad_frames += 1
             logger.warning(
                 "KV event subscriber: skipped a message of %d frames that is not "
-                "[topic, seq(8 bytes), payload]",
+                "[topic, seq(8 or 24 bytes), payload]",
                 len(frames),
             )
             return
-        topic, seq_bytes, payload = frames
-        seq = int.from_bytes(seq_bytes, "big")
+        topic, _, payload = frames
+        seq, publisher_id = parsed
         batch = self._decode(payload, seq)
         if batch is None:
             return
         stream = self._stream(source.index, topic, batch.data_parallel_rank)
+        if publisher_id is not None and publisher_id != source.publisher_id:
+            if source.publisher_id is not None:  # PR #57789: a new id is a new publisher
+                for st in [st for st in self._streams.values() if st.source == source.index]:
+                    if st.last_seq is not None:
+                        self._restarted(st, seq)
+                source.bootstrap = self._bootstraps(source)
+            source.publisher_id = publisher_id
+        if source.bootstrap:
+            source.bootstrap = False
+            self._bootstrap(source, topic)
+            self.caught_up.add(source.endpoint)
         last = stream.last_seq
         if last is None:
             if self._start_seq is not None and seq > self._start_seq:
@@ -554,8 +685,7 @@ class KVEventSubscriber:
             self._lost(stream, expected, end - 1)
         else:
             self.num_gaps_repaired += 1
-        if replay:
-            self._resync(source, replay)
+        self._resync(source, replay, stream.id.topic.encode())
 
     def _lost(self, stream: _Stream, first: int, last: int) -> None:
         self.num_batches_lost += last - first + 1

@@ -8,6 +8,16 @@
              answer   [b"", topic, seq, payload] ...       BlockStored batches, seq = the fence
                       [b"", STATUS, END_SEQ, b""]
 
+    vLLM PR #57789 (open), with a snapshot endpoint only:
+    live:    [topic, seq (8 bytes) + PUBLISHER_ID (16 bytes), payload]; idle: an empty batch
+             every HEARTBEAT_INTERVAL_S (a heartbeat, with its own seq)
+    snapshot request  any one frame (REQ), or [b"", frame] (DEALER)
+             answer   [SNAPSHOT_SEQ (8 bytes, signed), PUBLISHER_ID, batch payload, ...]
+                      the state as of seq SNAPSHOT_SEQ (-1: nothing yet, -2: unavailable)
+
+    discovery GET /kv_event_sources (HTTP, of the instance's API): a JSON list, one
+             `KVEventSource` per DP rank, by rank (vLLM's since PR #55844)
+
 Everything but STATUS and SNAPSHOT_REQUEST is vLLM's. STATUS is the terminator's first frame,
 where vLLM sends an empty topic and vLLM readers look only at the last two frames, so
 kvconnect's publisher can name itself there (`PublisherStatus`) without breaking them.
@@ -17,6 +27,8 @@ The subscriber imports this module, never the publisher.
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import msgspec
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 """The seq frame of a replay answer's terminator."""
@@ -37,6 +49,58 @@ publisher cuts snapshot batches at `SNAPSHOT_TOKENS_PER_BATCH` tokens (about 5 M
 leaves a 4x margin over the largest legitimate batch and refuses what the issue sent
 (512 MiB frames). A batch over it cuts the connection: the subscriber reconnects, and the batch
 is reported lost (replay refuses it too), never silently absorbed."""
+
+
+WILDCARD_HOSTS = frozenset({"*", "0.0.0.0", "::", "[::]", ""})
+"""Hosts a bound address may name that nobody can connect to."""
+
+
+class KVEventSource(msgspec.Struct, frozen=True):
+    """Where one DP rank's stream is, as `GET /kv_event_sources` names it (vLLM's fields,
+    in vLLM's order). Unknown keys are ignored when read, so a newer server still parses."""
+
+    data_parallel_rank: int
+    endpoint: str
+    """The live stream's address as bound (a port 0 resolved), a wildcard host replaced by
+    one the asker can reach."""
+    replay_endpoint: str | None
+    """The replay server's address; None: the stream has no replay."""
+    topic: str
+    """The first frame of its messages (subscribe by prefix)."""
+
+
+def with_host(endpoint: str, host: str) -> str:
+    """`endpoint` with a wildcard host (`*`, `0.0.0.0`, `::`) replaced by `host`, so that it
+    names an address one can connect to; any other endpoint (ipc, a real host) unchanged."""
+    if not endpoint.startswith("tcp://"):
+        return endpoint
+    bound_host, sep, port = endpoint.removeprefix("tcp://").rpartition(":")
+    if not sep or bound_host not in WILDCARD_HOSTS:
+        return endpoint
+    host = f"[{host}]" if ":" in host and not host.startswith("[") else host
+    return f"tcp://{host}:{port}"
+
+
+HEARTBEAT_INTERVAL_S = 1.0
+"""PR #57789: a publisher with a snapshot endpoint that has sent nothing for this long sends
+an empty batch (its own seq), so a consumer sees the stream alive, learns the publisher's id
+and notices a dropped last batch."""
+PUBLISHER_ID_BYTES = 16
+"""PR #57789: the publisher's lifetime UUID, after the 8 seq bytes of every live message."""
+SNAPSHOT_NONE = -1
+"""A #57789 snapshot's seq when nothing was published yet."""
+SNAPSHOT_UNAVAILABLE = -2
+"""A #57789 snapshot's seq when the publisher cannot give its state (its reply bound)."""
+
+
+def split_seq_frame(frame: bytes) -> tuple[int, bytes | None] | None:
+    """(seq, publisher id) of a live seq frame: 8 bytes (vLLM's, no id) or 8 + 16 (PR
+    #57789); None for any other length."""
+    if len(frame) == 8:
+        return int.from_bytes(frame, "big"), None
+    if len(frame) == 8 + PUBLISHER_ID_BYTES:
+        return int.from_bytes(frame[:8], "big"), frame[8:]
+    return None
 
 
 def seq_frame(seq: int) -> bytes:

@@ -82,7 +82,7 @@ def test_tail_rejects_a_bad_endpoint(capsys: pytest.CaptureFixture[str]) -> None
 
 def test_router_rejects_bad_instances_and_weights(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["router", "--instance", "nonsense"]) == 2
-    assert "URL,EVENTS_ENDPOINT" in capsys.readouterr().err
+    assert "URL[,EVENTS_ENDPOINT" in capsys.readouterr().err
     assert (
         main(
             [
@@ -164,7 +164,7 @@ def one_line_error(capsys: pytest.CaptureFixture[str], argv: list[str], *names: 
             ],
             ["/missing/model"],
         ),
-        (["router", "--instance", "nonsense"], ["--instance", "URL,EVENTS_ENDPOINT"]),
+        (["router", "--instance", "nonsense"], ["--instance", "URL[,EVENTS_ENDPOINT"]),
         (
             [
                 "router",

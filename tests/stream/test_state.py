@@ -86,6 +86,22 @@ def test_a_snapshot_holds_exactly_what_the_events_leave(seed: int, n: int) -> No
     assert state.seq == n - 1 and len(state) == len({k[:3] for k in held(events)})
 
 
+def test_a_secondary_tiers_residency_is_counted_apart_from_the_engines() -> None:
+    """vLLM 0.33's KVCR marks its events `ownership="kvcr"`: its removal of a block leaves the
+    engine's own CPU copy of it (vLLM's offloading connector keys residency so too)."""
+    toks = [1, 2, 3, 4, 5, 6, 7, 8]
+    own = BlockStored([1, 2], None, toks, BS, None, "CPU", None)
+    kvcr = BlockStored([1, 2], None, toks, BS, None, "CPU", None, ownership="kvcr")
+    state = StreamState()
+    state.apply(0, KVEventBatch(0.0, [own, kvcr]))
+    assert len(state) == 4
+    state.apply(1, KVEventBatch(0.0, [BlockRemoved([1, 2], "CPU", ownership="kvcr")]))
+    state.check_integrity()
+    assert state.events() == [own]
+    state.apply(2, KVEventBatch(0.0, [kvcr, BlockRemoved([1, 2], "CPU")]))
+    assert state.events() == [kvcr]  # the snapshot re-announces it as the secondary tier's
+
+
 def test_one_hash_on_a_local_and_a_remote_storage_is_two_entries() -> None:
     """A disk and a Redis are both STORAGE: the locality tells their copies apart."""
     toks = [1, 2, 3, 4, 5, 6, 7, 8]
