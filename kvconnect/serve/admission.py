@@ -48,9 +48,7 @@ class Admission:
         self.max_num_waiting = max_num_waiting
         self.max_num_waiting_tokens = max_num_waiting_tokens
         self.max_prompt_tokens = max_prompt_tokens
-        self.num_waiting = 0
-        self.num_waiting_tokens = 0
-        self.num_refused = 0
+        self.num_waiting = self.num_waiting_tokens = self.num_refused = 0
 
     def admit(self, jobs: list[Job]) -> ApiError | None:
         """Count `jobs` as waiting, or the 503 that refuses them all."""

@@ -56,13 +56,13 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
-from queue import Empty, SimpleQueue
+from queue import Empty
 from typing import Any, NamedTuple
 
 import zmq
 
 from kvconnect.events import BlockStored, KVEventBatch, encode_batch
-from kvconnect.stream.state import StreamState
+from kvconnect.stream.state import StateServer
 from kvconnect.stream.wire import END_SEQ, MAX_REQUEST_BYTES, SNAPSHOT_REQUEST, PublisherStatus
 
 logger = logging.getLogger(__name__)
@@ -192,7 +192,7 @@ def open_replay_socket(ctx: zmq.Context[zmq.Socket[bytes]]) -> zmq.Socket[bytes]
     return sock
 
 
-class ReplayServer:
+class ReplayServer(StateServer):
     """Serves `ring` and the stream's state on `sock` (bound by the caller) until `stop()`."""
 
     def __init__(
@@ -203,16 +203,11 @@ class ReplayServer:
         topic: bytes,
         data_parallel_rank: int,
     ) -> None:
-        self._sock = sock
+        super().__init__(sock, "kv-events-replay")
         self._ring = ring
         self._status = status
         self._topic = topic
         self._data_parallel_rank = data_parallel_rank
-        self._published: SimpleQueue[tuple[int, KVEventBatch]] = SimpleQueue()
-        self._stop = threading.Event()
-        self.state = StreamState()
-        """What the stream says is held (kept by the replay thread; read it only there or
-        after stop)."""
         self.num_requests = 0
         self.num_snapshots = 0
         self.num_sessions_dropped = 0
@@ -228,21 +223,12 @@ class ReplayServer:
         """Requests waiting for a session, the oldest first."""
         self._snapshot_cache: tuple[int, tuple[tuple[bytes, bytes], ...]] | None = None
         """(seq, the snapshot's messages as of it)."""
-        self._thread = threading.Thread(target=self._loop, name="kv-events-replay", daemon=True)
         self._thread.start()
 
     @property
     def num_blocked(self) -> int:
         """Sessions whose client's queue is full, as of the last round (any thread)."""
         return len(self._blocked)
-
-    def observe(self, seq: int, batch: KVEventBatch) -> None:
-        """A batch was published as `seq` (any thread; the state is updated on this one)."""
-        self._published.put((seq, batch))
-
-    def stop(self, timeout: float = 1.0) -> None:
-        self._stop.set()
-        self._thread.join(timeout)
 
     def _loop(self) -> None:
         sock = self._sock

@@ -25,16 +25,15 @@ removals; kvconnect's state is already compacted to stores, which a fresh index 
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from contextlib import suppress
-from queue import Empty, SimpleQueue
+from queue import Empty
 
 import zmq
 
 from kvconnect.events import KVEventBatch, encode_batch
 from kvconnect.stream.replay import snapshot_chunks
-from kvconnect.stream.state import StreamState
+from kvconnect.stream.state import StateServer
 from kvconnect.stream.wire import MAX_REQUEST_BYTES, SNAPSHOT_NONE, SNAPSHOT_UNAVAILABLE
 
 logger = logging.getLogger(__name__)
@@ -47,31 +46,18 @@ MAX_REQUESTS_PER_ROUND = 32
 POLL_MS = 20
 
 
-class SnapshotServer:
+class SnapshotServer(StateServer):
     """Serves the stream's state on `sock` (bound by the caller) until `stop()`."""
 
     def __init__(
         self, sock: zmq.Socket[bytes], publisher_id: bytes, data_parallel_rank: int
     ) -> None:
-        self._sock = sock
+        super().__init__(sock, "kv-events-snapshot")
         self._publisher_id = publisher_id
         self._data_parallel_rank = data_parallel_rank
-        self._published: SimpleQueue[tuple[int, KVEventBatch]] = SimpleQueue()
-        self._stop = threading.Event()
-        self.state = StreamState()
-        """What the stream says is held (this thread's; read it only after stop)."""
         self.num_requests = 0
         self.num_unavailable = 0
-        self._thread = threading.Thread(target=self._loop, name="kv-events-snapshot", daemon=True)
         self._thread.start()
-
-    def observe(self, seq: int, batch: KVEventBatch) -> None:
-        """`batch` was published as `seq` (any thread; folded on this one, in seq order)."""
-        self._published.put((seq, batch))
-
-    def stop(self, timeout: float = 1.0) -> None:
-        self._stop.set()
-        self._thread.join(timeout)
 
     def _loop(self) -> None:
         try:

@@ -18,8 +18,11 @@ blocks of one event as one event, and a block held twice (two blocks with one ha
 
 from __future__ import annotations
 
+import threading
 from collections import Counter
+from queue import SimpleQueue
 
+import zmq
 from msgspec.structs import replace
 
 from kvconnect.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
@@ -120,3 +123,30 @@ def _part(ev: BlockStored, start: int, end: int) -> BlockStored:
             None if ev.lookahead_token_ids is None else ev.lookahead_token_ids[start:end]
         ),
     )
+
+
+class StateServer:
+    """Serves a stream's state on `sock` (bound by the caller) from a thread of its own until
+    `stop()`: the publisher hands it each batch it published (`observe`, any thread), which the
+    thread folds into `state` in seq order between answers. A subclass answers (`_loop`) and
+    starts the thread at the end of its `__init__`."""
+
+    def __init__(self, sock: zmq.Socket[bytes], thread_name: str) -> None:
+        self._sock = sock
+        self._published: SimpleQueue[tuple[int, KVEventBatch]] = SimpleQueue()
+        self._stop = threading.Event()
+        self.state = StreamState()
+        """What the stream says is held (kept by the server's thread; read it only there or
+        after stop)."""
+        self._thread = threading.Thread(target=self._loop, name=thread_name, daemon=True)
+
+    def observe(self, seq: int, batch: KVEventBatch) -> None:
+        """`batch` was published as `seq` (any thread; folded on the server's, in seq order)."""
+        self._published.put((seq, batch))
+
+    def stop(self, timeout: float = 1.0) -> None:
+        self._stop.set()
+        self._thread.join(timeout)
+
+    def _loop(self) -> None:
+        raise NotImplementedError

@@ -31,13 +31,12 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Generator, Sequence
 from typing import Any
 
 import zmq
 import zmq.auth.thread
 
-from kvconnect.connector.offload.common import ChunkInfo, rank_prefix
+from kvconnect.connector.offload.common import rank_prefix
 from kvconnect.connector.offload.peers.protocol import (
     ERR,
     GET,
@@ -53,10 +52,12 @@ from kvconnect.connector.offload.peers.protocol import (
     SETTLE_POLL_S,
     WINDOW,
     Deadline,
+    Fetched,
     Hello,
     PeerClient,
     Refused,
     Served,
+    Wanted,
     answer_has,
     ascii_arg,
     check_hello,
@@ -67,7 +68,6 @@ from kvconnect.connector.offload.peers.protocol import (
     has_keys,
 )
 from kvconnect.connector.offload.tiers.base import (
-    StoredChunk,
     TierError,
     TierPlacement,
     TierUnavailable,
@@ -385,11 +385,11 @@ class CurvePeerClient(PeerClient):
 
     def fetch_many(
         self,
-        wanted: Sequence[tuple[str, ChunkInfo]],
+        wanted: Wanted,
         placement: TierPlacement,
         deadline: Deadline,
         sink: Any = None,
-    ) -> Generator[StoredChunk | TierError | None]:
+    ) -> Fetched:
         """As `PeerClient.fetch_many` (each chunk lands in memory of its own: `sink` is not
         used over ZMQ)."""
         if not wanted:

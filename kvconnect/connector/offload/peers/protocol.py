@@ -53,6 +53,11 @@ WINDOW = 3
 SETTLE_POLL_S = 0.002
 """How often a held-back HAS looks again at the chunks still being stored."""
 
+Wanted = Sequence[tuple[str, ChunkInfo]]
+"""The chunks a pull asks a peer for, in order: (key, what the chunk must be)."""
+Fetched = Generator[StoredChunk | TierError | None]
+"""Per chunk asked: the chunk checked, None if the peer does not hold it, or why not."""
+
 HAS, GET, RELEASE = b"HAS", b"GET", b"RELEASE"
 OK, MISS, ERR = b"OK", b"MISS", b"ERR"
 
@@ -203,11 +208,11 @@ class PeerClient(ABC):
     @abstractmethod
     def fetch_many(
         self,
-        wanted: Sequence[tuple[str, ChunkInfo]],
+        wanted: Wanted,
         placement: TierPlacement,
         deadline: Deadline,
         sink: PayloadSink | None = None,
-    ) -> Generator[StoredChunk | TierError | None]:
+    ) -> Fetched:
         """Each of `wanted` in order: the chunk checked (`checked_chunk`), None if the peer
         does not hold it, or the `TierError` why not, a few requests ahead. Once the peer
         fails (or the deadline passes), every chunk left is that error."""

@@ -36,7 +36,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Generator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from kvconnect.connector.offload.common import ChunkInfo, rank_prefix
@@ -56,11 +56,13 @@ from kvconnect.connector.offload.peers.protocol import (
     SETTLE_POLL_S,
     WINDOW,
     Deadline,
+    Fetched,
     Hello,
     PayloadSink,
     PeerClient,
     Refused,
     Served,
+    Wanted,
     answer_has,
     ascii_arg,
     check_hello,
@@ -486,11 +488,11 @@ class TcpPeerClient(PeerClient):
 
     def fetch_many(
         self,
-        wanted: Sequence[tuple[str, ChunkInfo]],
+        wanted: Wanted,
         placement: TierPlacement,
         deadline: Deadline,
         sink: PayloadSink | None = None,
-    ) -> Generator[StoredChunk | TierError | None]:
+    ) -> Fetched:
         """As `PeerClient.fetch_many`, with up to WINDOW requests outstanding on the one
         connection (the peer serialises the next chunks while one travels)."""
         if not wanted:
@@ -540,7 +542,7 @@ class TcpPeerClient(PeerClient):
     def _request_window(
         self,
         sock: socket.socket,
-        wanted: Sequence[tuple[str, ChunkInfo]],
+        wanted: Wanted,
         sent: int,
         done: int,
         deadline: Deadline,
