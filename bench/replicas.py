@@ -90,8 +90,9 @@ from kvconnect.engine.kv_cache_manager import KVCacheManager
 from kvconnect.engine.request import Request, SamplingParams
 from kvconnect.events import KVEventBatch, decode_batch, encode_batch
 from kvconnect.model.tokenizer import Tokenizer, load_tokenizer
-from kvconnect.router.core import Instance, Router
+from kvconnect.router.core import Router
 from kvconnect.router.index import BlockIndex
+from kvconnect.router.instances import Instance
 from kvconnect.router.replicas import REPLICA_MIN_INTERVAL_S, ReplicaLoads
 from kvconnect.stream.publisher import ZmqEventPublisher
 from kvconnect.stream.subscriber import ReceivedBatch, SubscriberItem
@@ -242,7 +243,7 @@ class LoadViews:
         self.views = [[[0] * len(names) for _ in routers] for _ in routers]
         for j, router in enumerate(routers):
             others = [u for k, u in enumerate(self.urls) if k != j]
-            router.replicas = ReplicaLoads(others, names, router.take_measured)
+            router.loads.replicas = ReplicaLoads(others, names, router.take_measured)
 
     def changed(self, replica: int, now: float, slot: int, delta: int) -> None:
         self.log[replica].append((now, slot, delta))
@@ -250,7 +251,7 @@ class LoadViews:
     def catch_up(self, j: int, now: float) -> None:
         """Replica j reads what every other replica said up to `now - lag` (an answer every
         time: the long poll answers at least every LOAD_HOLD_S, so none goes stale)."""
-        replicas = self.routers[j].replicas
+        replicas = self.routers[j].loads.replicas
         assert replicas is not None
         for k in range(len(self.routers)):
             if k == j:
@@ -384,7 +385,7 @@ class Simulation:
 
     def arrive(self, now: float, job: Job) -> None:
         """A turn reaches the load balancer: a replica at random chooses its instance."""
-        best = self.oracle.pick(job.tokens, set())
+        best = self.oracle.pick(self.oracle.scored(job.tokens), set())
         assert best is not None
         chosen = best.instance.name
         if self.routers:
@@ -393,12 +394,12 @@ class Simulation:
             self.receive(job.replica, now)
             if self.views is not None:
                 self.views.catch_up(job.replica, now)
-            picked = router.pick(job.tokens, set())
+            picked = router.pick(router.scored(job.tokens), set())
             assert picked is not None
             chosen = picked.instance.name
-            router.sent(chosen, 0)
+            router.loads.sent(chosen, 0)
         self.same += chosen == best.instance.name
-        self.oracle.sent(chosen, 0)  # the all-knowing router knows every request in flight
+        self.oracle.loads.sent(chosen, 0)  # the all-knowing router knows every request in flight
         job.instance = self.slot_of[chosen]
         if self.views is not None:
             self.views.changed(job.replica, now, job.instance, 1)
@@ -465,9 +466,9 @@ class Simulation:
         inst.kv.cache_blocks(req, req.num_tokens)
         inst.kv.free(req.request_id)
         self.publish(now, job.instance)
-        self.oracle.landed(inst.name, 0)
+        self.oracle.loads.landed(inst.name, 0)
         if self.routers:
-            self.routers[job.replica].landed(inst.name, 0)
+            self.routers[job.replica].loads.landed(inst.name, 0)
             if self.views is not None:
                 self.views.changed(job.replica, now, job.instance, -1)
         run = self.run
@@ -538,9 +539,9 @@ def real_streams(recorded: list[tuple[float, int, bytes]]) -> Streams:
     router = Router(instances, index, load_tokenizer("tiny")).start()
     try:
         deadline = time.monotonic() + 30
-        while len(router.synced) < NUM_INSTANCES:  # every stream's handshake applied
+        while len(router.follow.synced) < NUM_INSTANCES:  # every stream's handshake applied
             if time.monotonic() > deadline:
-                raise RuntimeError(f"the router synced {len(router.synced)} of 64 streams")
+                raise RuntimeError(f"the router synced {len(router.follow.synced)} of 64 streams")
             time.sleep(0.01)
         for p in pubs:  # and its subscription reached every publisher
             if not p.wait_for_subscriber(10):

@@ -44,7 +44,7 @@ from kvconnect.events import BlockRemoved, BlockStored, KVEventBatch
 from kvconnect.hashing import ALGORITHMS, block_hashes, seed_hash, to_wire
 from kvconnect.router.index import BlockIndex, PrefixScore
 from kvconnect.router.schemes import HashScheme
-from kvconnect.router.scorer import choose, spread_key
+from kvconnect.router.scorer import Inputs, choose, spread_key
 
 BS = 16
 NUM_INSTANCES = 4
@@ -200,7 +200,7 @@ def decisions() -> tuple[dict[str, tuple[float, float]], float, float]:
         times = []
         for p in prompts:
             t0 = time.perf_counter()
-            choose(names, index.score(p), loads, len(p), spread_key=spread_key(p))
+            choose(names, Inputs(index.score(p), loads, len(p), spread_key=spread_key(p)))
             times.append(time.perf_counter() - t0)
         times.sort()
         out[case] = (statistics.median(times), times[int(len(times) * 0.99) - 1])
@@ -294,7 +294,7 @@ def simulate(policy_name: str, sec_per_token: float) -> tuple[float, float, floa
                             break
                         run += 1
                     scores[inst.name] = PrefixScore(run, float(run), block_size=BS)
-            chosen = choose(ids, scores, loads, len(tokens)).instance
+            chosen = choose(ids, Inputs(scores, loads, len(tokens))).instance
             target = next(inst for inst in instances if inst.name == chosen)
         ttft, cached = target.serve(req, now, sec_per_token)
         ttfts.append(ttft)

@@ -193,6 +193,14 @@ def _serve_flags(commands: Commands, common: Parser) -> None:
 
 def _router_flags(commands: Commands, common: Parser) -> None:
     r = commands.add_parser("router", help="KV-aware HTTP front of instances", parents=[common])
+    _router_instance_flags(r)
+    _router_choice_flags(r)
+    _http_flags(r, vllm_env=False)
+    _router_relay_flags(r)
+
+
+def _router_instance_flags(r: argparse.ArgumentParser) -> None:
+    """The instances behind the router, and P/D's."""
     r.add_argument(
         "--instance",
         action="append",
@@ -231,6 +239,10 @@ def _router_flags(commands: Commands, common: Parser) -> None:
         help="P/D: prefill elsewhere only when the decode instance lacks at least this many "
         "prompt tokens, until the pair's crossover is measured from its answers",
     )
+
+
+def _router_choice_flags(r: argparse.ArgumentParser) -> None:
+    """Where the router listens, and how it chooses."""
     r.add_argument("--host", default="127.0.0.1", help="bind address")
     r.add_argument("--port", type=port, default=9000, help="HTTP port")
     r.add_argument("--model", default="smollm2", help="whose tokenizer: " + MODEL_HELP)
@@ -265,7 +277,16 @@ def _router_flags(commands: Commands, common: Parser) -> None:
         help="one log line per request (off: as vllm-router, it costs ~15%% of the router's own "
         "time per request)",
     )
-    _http_flags(r, vllm_env=False)
+    r.add_argument(
+        "--tier-weights",
+        default="GPU=1.0,CPU=0.8,STORAGE/LOCAL=0.5,STORAGE/REMOTE=0.3",
+        help="weight of a cached block per tier (MEDIUM or MEDIUM/LOCALITY=W,...), over the "
+        "defaults; a tier none names counts 0.1",
+    )
+
+
+def _router_relay_flags(r: argparse.ArgumentParser) -> None:
+    """What the router passes on to the instances, and how long it waits for them."""
     r.add_argument(
         "--instance-api-key",
         help="the key the router presents to instances (Authorization: Bearer), in place of "
@@ -306,12 +327,6 @@ def _router_flags(commands: Commands, common: Parser) -> None:
         "flag of that name: grpc unless OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf "
         "(then the full .../v1/traces URL); the OTEL_* variables apply. Needs the otel "
         "extra (pip install 'kvconnect[otel]')",
-    )
-    r.add_argument(
-        "--tier-weights",
-        default="GPU=1.0,CPU=0.8,STORAGE/LOCAL=0.5,STORAGE/REMOTE=0.3",
-        help="weight of a cached block per tier (MEDIUM or MEDIUM/LOCALITY=W,...), over the "
-        "defaults; a tier none names counts 0.1",
     )
 
 

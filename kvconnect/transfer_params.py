@@ -163,3 +163,16 @@ def endpoint(addr: tuple[str, int]) -> str:
     """`host:port` as `peer.sources` lists it (an IPv6 host in brackets)."""
     host, port = addr
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def parse_endpoint(text: str, what: str) -> tuple[str, int]:
+    """`HOST:PORT` (`[v6]:PORT`) as (host, port): where an instance's peer tier serves (rank
+    0's port; `endpoint` writes it back). `ValueError` naming `what` if it is not one."""
+    host, sep, port = text.rpartition(":")
+    host = host.removeprefix("[").removesuffix("]")
+    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ValueError(
+            f"{what}={text!r} is not HOST:PORT, a peer's host and rank 0's peer port (1-65535; "
+            "a bare host would let a request name any port of it)"
+        )
+    return host, int(port)

@@ -29,8 +29,9 @@ from typing import TextIO
 from kvconnect.commands.redis_server import LocalRedis
 from kvconnect.commands.startup import EVENTS_PORT_OFFSET, REPLAY_PORT_OFFSET, check_port_free
 from kvconnect.model.tokenizer import load_tokenizer
-from kvconnect.router.core import Instance, Router
+from kvconnect.router.core import Router
 from kvconnect.router.index import BlockIndex
+from kvconnect.router.instances import Instance
 from kvconnect.router.server import RouterFront
 
 

@@ -90,7 +90,7 @@ def run_router_command(args: argparse.Namespace) -> int:
     )
     if replicas:
         names = [i.name for i in router.instances]
-        router.replicas = ReplicaLoads(replicas, names, router.take_measured)
+        router.loads.replicas = ReplicaLoads(replicas, names, router.take_measured)
     router.start()
     gc.freeze()  # what start-up made lives as long as the process: no collection walks it again
     return run_event_loop(serve_router(router, args.host, args.port, options))

@@ -7,7 +7,7 @@ Every whole JSON answer with usage is one measurement at the instance i that gav
     elapsed  ~  (the same) + f_ji + c_ji * pulled           (sent with remote_kv_source j)
 
     computed    prompt_tokens - cached_tokens: what i prefilled, plus what it had still to
-                prefill for the router's other requests in flight there (`Router.pending`):
+                prefill for the router's other requests in flight there (`loads.Loads.pending`):
                 its prefill serves those first
     completion  completion_tokens: what i decoded
     queued      the router's requests in flight at i when it was sent

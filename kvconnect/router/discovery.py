@@ -30,7 +30,7 @@ from urllib.parse import urlsplit
 import msgspec
 
 from kvconnect.http.client import Unreachable, UpstreamBroken, UpstreamPool
-from kvconnect.router.core import Instance, check_url, parse_peer
+from kvconnect.router.instances import Instance, check_url, parse_peer
 from kvconnect.stream.wire import KVEventSource, with_host
 
 DISCOVERY_PATH = "/kv_event_sources"

@@ -26,8 +26,9 @@ from kvconnect.http.client import (
     UpstreamTimeout,
 )
 from kvconnect.http.h1_server import Request, Response
-from kvconnect.router.core import Instance, Router, StaleCheck, Usage, usage_of
+from kvconnect.router.core import Router, StaleCheck, Usage, usage_of
 from kvconnect.router.index import PrefixScore
+from kvconnect.router.instances import Instance
 
 logger = logging.getLogger(__name__)
 
@@ -45,42 +46,51 @@ _BROKEN = (
 )
 
 
-async def forward(
-    request: Request,
-    pool: UpstreamPool,
-    instance: Instance,
-    raw: bytes,
-    router: Router,
-    score: PrefixScore,
-    check: StaleCheck | None = None,
-    authorization: str | None = None,
-    source: str | None = None,
-    streamed_usage: bool = False,
-    load: tuple[int, int] = (0, 0),
-    trace_headers: str = "",
-) -> Response:
+@dataclass(frozen=True)
+class Relay:
+    """One request as it goes to its instance, and what its answer is measured against."""
+
+    instance: Instance
+    """Where the request goes."""
+    body: bytes
+    """The request body as sent (the router's `kv_transfer_params` in it, the client's not)."""
+    score: PrefixScore
+    """What the index credited the instance with."""
+    source: str | None = None
+    """The instance it was told to pull from (`remote_kv_source`, or P/D's prefill)."""
+    check: StaleCheck | None = None
+    """What to check its cached tokens against (`Router.check_cached`); None: nothing."""
+    load: tuple[int, int] = (0, 0)
+    """The requests in flight at the instance when it was sent, and the prompt tokens they
+    had still to compute (`Loads.of`)."""
+    streamed_usage: bool = False
+    """A stream that asked for its usage chunk (`stream_options.include_usage`)."""
+    authorization: str | None = None
+    """Sent to the instance as that header."""
+    trace_headers: str = ""
+    """The trace context lines sent with it (router/tracing.py)."""
+
+
+async def forward(request: Request, pool: UpstreamPool, router: Router, relay: Relay) -> Response:
     """Relay one request and its answer; a whole JSON answer's usage is checked against the
     index (`Router.check_cached`) and measures the instance's costs (and the pull's, from
-    `source`, the instance named to pull from: `Router.learn`). So does a streamed one that
-    ends with a usage chunk (`streamed_usage`: the request asked for it), its time to first
-    token against one completion token. `authorization` goes to the instance as that
-    header; `load`: the requests in flight at the instance when it was sent, and the prompt
-    tokens they had still to compute (`Router.loads`); `trace_headers`: the trace context
-    lines sent with it (router/tracing.py)."""
+    `relay.source`: `Router.learn`). So does a streamed one that ends with a usage chunk
+    (`relay.streamed_usage`), its time to first token against one completion token."""
     start = time.perf_counter()
+    instance = relay.instance
     try:
         upstream = await pool.post(
             instance.url,
             request.path,
-            raw,
-            authorization=authorization,
-            extra_headers=trace_headers,
+            relay.body,
+            authorization=relay.authorization,
+            extra_headers=relay.trace_headers,
         )
     except UpstreamTimeout as e:
         return _timed_out(router, instance, e)
     streamed = False
     try:
-        router.record(instance.name, score, source)
+        router.record(instance.name, relay.score, relay.source)
         content_type = upstream.headers.get("content-type", "application/json")
         headers = {"x-kvconnect-instance": instance.name}
         retry_after = upstream.headers.get("retry-after")
@@ -100,13 +110,12 @@ async def forward(
                 usage = usage_of(body)  # once, for both
                 if usage is not None:
                     json_answer = content_type.startswith("application/json")
-                    checked = check if json_answer else None
-                    _measured(router, instance, score, source, elapsed, usage, load, checked)
+                    _measured(router, relay, elapsed, usage, json_answer)
             return Response(upstream.status, body, content_type, headers)
         streamed = True
         measure = None
-        if streamed_usage and upstream.status == 200:
-            measure = _Measure(start, score, source, load, check)
+        if relay.streamed_usage and upstream.status == 200:
+            measure = _Measure(start, relay)
         stream = _relay_stream(upstream, instance, router, measure)
         return Response(upstream.status, b"", content_type, headers, stream, upstream.release)
     finally:
@@ -124,11 +133,7 @@ class _Measure:
     """What a streamed answer's usage chunk is measured against (`forward`)."""
 
     start: float
-    score: PrefixScore
-    source: str | None
-    load: tuple[int, int]
-    """The requests in flight there when it was sent, and their prompt tokens to compute."""
-    check: StaleCheck | None
+    relay: Relay
     first: float | None = None
     """When the answer's first bytes came: its first token's."""
     tail: bytes = b""
@@ -154,28 +159,22 @@ USAGE_TAIL = 4096
 
 
 def _measured(
-    router: Router,
-    instance: Instance,
-    score: PrefixScore,
-    source: str | None,
-    elapsed: float,
-    usage: Usage,
-    load: tuple[int, int],
-    check: StaleCheck | None,
+    router: Router, relay: Relay, elapsed: float, usage: Usage, checked: bool = True
 ) -> None:
-    """An answer's usage, checked against the index (`check`) and learned from (`load`:
-    the requests in flight there when it was sent, and their prompt tokens to compute)."""
-    if check is not None and score.num_tokens > 0:
-        router.check_cached(instance.name, score, check, usage)
-    router.learn(instance.name, score, source, elapsed, usage, *load)
+    """An answer's usage, checked against the index (`relay.check`, unless not `checked`:
+    an answer that is not JSON) and learned from."""
+    name = relay.instance.name
+    if checked and relay.check is not None and relay.score.num_tokens > 0:
+        router.check_cached(name, relay.score, relay.check, usage)
+    router.learn(name, relay.score, relay.source, elapsed, usage, *relay.load)
 
 
-def _learn_stream(router: Router, instance: Instance, m: _Measure) -> None:
+def _learn_stream(router: Router, m: _Measure) -> None:
     usage = m.usage()
     if usage is None or m.first is None:
         return
     first = Usage(usage.prompt_tokens, 1, usage.prompt_tokens_details)  # to its first token
-    _measured(router, instance, m.score, m.source, m.first - m.start, first, m.load, m.check)
+    _measured(router, m.relay, m.first - m.start, first)
 
 
 async def _relay_stream(
@@ -194,7 +193,7 @@ async def _relay_stream(
                 measure.add(data)
             yield data
         if measure is not None:
-            _learn_stream(router, instance, measure)
+            _learn_stream(router, measure)
     except UpstreamBroken as e:
         if isinstance(e, UpstreamTimeout):
             router.mark_down(instance.name, f"stalled mid-answer: {e}")

@@ -49,8 +49,10 @@ def _by_known_tier(values: Mapping[str, float], known: Collection[str]) -> dict[
 class RouterMetrics(Collector):
     """Index, stream, decision and health metrics of one `Router`."""
 
-    def __init__(self, router: Router) -> None:
+    def __init__(self, router: Router, pd: Mapping[str, int] | None = None) -> None:
+        """`pd`: P/D's outcomes (`pd.PrefillStep.outcomes`), counted where they happen."""
         self.router = router
+        self.pd = pd if pd is not None else {}
         self.registry = CollectorRegistry()
         self.registry.register(self)
 
@@ -99,7 +101,7 @@ class RouterMetrics(Collector):
             "P/D's decode step).",
             labels=pair,
         )
-        for (source, dest), n in sorted(r.pulls_sent.items()):
+        for (source, dest), n in sorted(r.counts.pulls_sent.items()):
             sent.add_metric([source, dest], n)
         yield from (per_token, fixed, crossover, sent)
 
@@ -109,7 +111,7 @@ class RouterMetrics(Collector):
             stats = r.index.stats
             num_entries = r.index.num_entries
             stale = sum(i.stale for i in r.index.instances.values())
-        sub = r.subscriber
+        sub = r.follow.subscriber
         C, G = CounterMetricFamily, GaugeMetricFamily
         yield _one(G, "index_entries", "Block keys in the index.", num_entries)
         for name, doc, value in (
@@ -127,11 +129,11 @@ class RouterMetrics(Collector):
             ("batches_lost", "Batches replay no longer held.", sub.num_batches_lost if sub else 0),
             ("decisions_unsynced", "Decisions made while an instance in rotation was not synced "
              "(its stream's state had not come within the wait after the router's start).",
-             r.decisions_unsynced),
+             r.follow.decisions_unsynced),
         ):  # fmt: skip
             yield _one(C, name, doc, value)
         yield _one(G, "synced_instances", "Instances whose stream state is in the index.",
-                   len(r.synced))  # fmt: skip
+                   len(r.follow.synced))  # fmt: skip
         yield _one(G, "stale_instances", "Instances awaiting a resync.", stale)
 
     def _instance_metrics(self) -> Iterator[Metric]:
@@ -141,19 +143,19 @@ class RouterMetrics(Collector):
             removed = _by_known_tier(r.index.stats.removed, known)
             stale = _by_known_tier(r.index.stats.stale, known)
             schemes = r.index.schemes()
-        hits = _by_known_tier(dict(r.hit_blocks), known)
+        hits = _by_known_tier(dict(r.counts.hit_blocks), known)
         names = [i.name for i in r.instances]
         C, G = CounterMetricFamily, GaugeMetricFamily
         for kind, name, doc, label, values in (
             (C, "decisions", "Requests sent to each instance.", "instance",
-             {n: r.decisions[n] for n in names}),
+             {n: r.counts.decisions[n] for n in names}),
             (C, "forward_failures", "Forwards refused by each instance.", "instance",
-             {n: r.failures[n] for n in names}),
+             {n: r.counts.failures[n] for n in names}),
             (G, "in_flight", "Requests in flight per instance.", "instance",
-             {n: r.in_flight[n] for n in names}),
+             {n: r.loads.in_flight[n] for n in names}),
             (G, "pending_prefill_tokens", "Prompt tokens each instance is expected to "
              "compute for the requests in flight there.", "instance",
-             {n: r.pending[n] for n in names}),
+             {n: r.loads.pending[n] for n in names}),
             (G, "instance_up", "1 while an instance is in rotation.", "instance",
              {n: float(r.health.is_up(n)) for n in names}),
             (C, "hit_blocks", "Cached prefix blocks of routed requests, by tier.", "tier",
@@ -161,10 +163,10 @@ class RouterMetrics(Collector):
             (C, "pd", "P/D requests by outcome (disaggregated, local: the decode instance "
              "lacked less than the pair's crossover, or --pd-min-tail until it is measured; "
              "prefill_failed, no_prefill_instance).", "outcome",
-             dict(r.pd)),
+             dict(self.pd)),
             (C, "prefill_waits", "Requests that waited for another request's prefill of a "
              "prefix they share, by how the wait ended (held, ended, timeout).", "outcome",
-             dict(r.waited)),
+             dict(r.bursts.waited)),
             (C, "index_removed", "Index entries taken back by BlockRemoved events, by tier.",
              "tier", removed),
             (C, "index_stale", "Index entries found stale by a load miss (an instance computed "

@@ -12,8 +12,8 @@ NixlConnector pairs alike:
 
 A P that fails, times out, answers an error, no params or malformed ones (the keys of
 `kvconnect.transfer_params`, checked as D checks them) costs only its time: D gets the
-client's request unchanged and computes the prompt (counted: `pd_prefill_failed`). What
-each step sent where is counted per outcome (`kvconnect_router_pd_total`).
+client's request unchanged and computes the prompt. What each request's step did is counted
+per outcome (`PrefillStep.outcomes`, `kvconnect_router_pd_total{outcome}`).
 
 The crossover is measured: D's answers to P/D requests fit what pulling from P costs D
 (costs.py), and below `CostModel.crossover(P, D)` tokens D computes faster than it pulls, so
@@ -24,14 +24,15 @@ in for it.
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from typing import Any
 
 import msgspec
 
 from kvconnect.http.client import Unreachable, UpstreamBroken, UpstreamPool, UpstreamTimeout
-from kvconnect.router.core import Instance, Router
+from kvconnect.router.core import Picked, Router, Scored
 from kvconnect.router.costs import CostModel
-from kvconnect.router.index import PrefixScore
+from kvconnect.router.instances import Instance
 from kvconnect.transfer_params import TO_PREFILL, parse
 
 logger = logging.getLogger(__name__)
@@ -48,38 +49,47 @@ _answer = msgspec.json.Decoder(_PrefillAnswer)
 _encode = msgspec.json.Encoder().encode
 
 
-def prefill_body(raw: bytes) -> bytes:
-    """The client's request as P gets it: one token, no stream, do_remote_decode."""
-    body = msgspec.json.decode(raw)
-    body.update(max_tokens=1, stream=False, kv_transfer_params=TO_PREFILL)
-    if "max_completion_tokens" in body:
-        body["max_completion_tokens"] = 1
-    for key in ("stream_options", "n", "best_of", "min_tokens"):
-        body.pop(key, None)
-    return _encode(body)
+class Body:
+    """The client's request body as the router sends it on, decoded at most once for every
+    body made from it (a P/D request's prefill and decode bodies, a pull's)."""
 
+    def __init__(self, raw: bytes) -> None:
+        self.raw = raw
+        """What an instance gets when nothing is added."""
+        self._decoded: dict[str, Any] | None = None
 
-def decode_body(raw: bytes, params: dict[str, Any]) -> bytes:
-    """The client's request as D gets it: with P's params."""
-    body = msgspec.json.decode(raw)
-    body["kv_transfer_params"] = params
-    return _encode(body)
+    def _dict(self) -> dict[str, Any]:
+        if self._decoded is None:
+            self._decoded = msgspec.json.decode(self.raw)
+        return self._decoded
 
+    def drop_params(self) -> None:
+        """The client's own `kv_transfer_params` dropped: they are the proxy's to send (a
+        client's would make an instance pull from or lease to whom the client says)."""
+        body = self._dict()
+        body.pop("kv_transfer_params", None)
+        self.raw = _encode(body)
 
-def without_params(raw: bytes) -> bytes:
-    """The client's request without its `kv_transfer_params`: they are the proxy's to send
-    (a client's would make an instance pull from or lease to whom the client says)."""
-    body = msgspec.json.decode(raw)
-    body.pop("kv_transfer_params", None)
-    return _encode(body)
+    def for_prefill(self) -> bytes:
+        """As P gets it: one token, no stream, do_remote_decode."""
+        body = dict(self._dict())
+        body.update(max_tokens=1, stream=False, kv_transfer_params=TO_PREFILL)
+        if "max_completion_tokens" in body:
+            body["max_completion_tokens"] = 1
+        for key in ("stream_options", "n", "best_of", "min_tokens"):
+            body.pop(key, None)
+        return _encode(body)
 
+    def with_params(self, params: dict[str, Any]) -> bytes:
+        """As D gets it: with P's params."""
+        return _encode({**self._dict(), "kv_transfer_params": params})
 
-def with_source(raw: bytes, source: Instance) -> bytes:
-    """The client's request with `remote_kv_source` naming `source`'s peer tier: the
-    instance pulls the prefix `source` holds beyond its own (scorer.py)."""
-    assert source.peer is not None
-    host, port = source.peer
-    return decode_body(raw, {"remote_kv_source": {"host": host, "port": port}})
+    def with_source(self, source: Instance) -> bytes:
+        """With `remote_kv_source` naming `source`'s peer tier: the instance pulls the prefix
+        `source` holds beyond its own (scorer.py)."""
+        assert source.peer is not None
+        host, port = source.peer
+        return self.with_params({"remote_kv_source": {"host": host, "port": port}})
 
 
 def min_tail_of(costs: CostModel, prefill: str, decode: str, min_tail: int) -> float:
@@ -89,85 +99,89 @@ def min_tail_of(costs: CostModel, prefill: str, decode: str, min_tail: int) -> f
     return max(1.0, min_tail if crossover is None else crossover)
 
 
-async def prefilled(
-    router: Router,
-    pool: UpstreamPool,
-    path: str,
-    raw: bytes,
-    token_ids: list[int],
-    decode: str,
-    decode_score: PrefixScore,
-    min_tail: int,
-    authorization: str | None,
-    cache_salt: str | None = None,
-) -> tuple[bytes, str] | None:
-    """The body to send D (`decode`), with a prefill's params, and that prefill instance;
-    None when D computes the prompt itself (and gets the client's body)."""
-    tail = len(token_ids) - decode_score.num_tokens
-    if tail < 1:
-        router.pd["local"] += 1
-        return None
-    picked = router.pick_prefill(token_ids, cache_salt)
-    if picked is None:
-        router.pd["no_prefill_instance"] += 1
-        return None
-    prefill, score, _, _ = picked
-    if tail < min_tail_of(router.costs, prefill.name, decode, min_tail):
-        router.pd["local"] += 1
-        return None
-    router.record(prefill.name, score)
-    params = await _run_prefill(router, pool, prefill, path, raw, authorization)
-    if params is None:
-        router.pd["prefill_failed"] += 1
-        return None
-    router.pd["disaggregated"] += 1
-    return decode_body(raw, params), prefill.name
+class PrefillStep:
+    """P/D's first step for the requests of one router: a prefill instance chosen, the
+    request sent there, its params checked; what each request's step did, counted
+    (`outcomes`: disaggregated, local, prefill_failed, no_prefill_instance)."""
 
+    def __init__(self, router: Router, pool: UpstreamPool, min_tail: int) -> None:
+        self.router = router
+        self.pool = pool
+        self.min_tail = min_tail
+        self.outcomes: Counter[str] = Counter()
 
-async def _run_prefill(
-    router: Router,
-    pool: UpstreamPool,
-    prefill: Instance,
-    path: str,
-    raw: bytes,
-    authorization: str | None,
-) -> dict[str, Any] | None:
-    name = prefill.name
-    router.sent(name, 0)  # in flight; prefill picks weigh no pending tokens
-    try:
-        upstream = await pool.post(
-            prefill.url, path, prefill_body(raw), authorization=authorization
-        )
+    async def run(
+        self, path: str, body: Body, scored: Scored, decode: Picked, authorization: str | None
+    ) -> tuple[bytes, str] | None:
+        """The body to send D (`decode`), with a prefill's params, and that prefill
+        instance; None when D computes the prompt itself (and gets the client's body)."""
+        router = self.router
+        tail = len(scored.token_ids) - decode.score.num_tokens
+        if tail < 1:
+            self.outcomes["local"] += 1
+            return None
+        picked = router.pick_prefill(scored)
+        if picked is None:
+            self.outcomes["no_prefill_instance"] += 1
+            return None
+        prefill, score, _, _ = picked
+        if tail < min_tail_of(router.costs, prefill.name, decode.instance.name, self.min_tail):
+            self.outcomes["local"] += 1
+            return None
+        router.record(prefill.name, score)
+        params = await self._prefill(prefill, path, body.for_prefill(), authorization)
+        if params is None:
+            self.outcomes["prefill_failed"] += 1
+            return None
+        self.outcomes["disaggregated"] += 1
+        return body.with_params(params), prefill.name
+
+    async def _prefill(
+        self, prefill: Instance, path: str, raw: bytes, authorization: str | None
+    ) -> dict[str, Any] | None:
+        router, name = self.router, prefill.name
+        router.loads.sent(name, 0)  # in flight; prefill picks weigh no pending tokens
         try:
-            if upstream.status != 200:
-                logger.warning(
-                    "router: prefill %s answered %d; decode computes", name, upstream.status
-                )
-                return None
-            if upstream.content_length is None or upstream.content_length > MAX_PREFILL_ANSWER:
-                logger.warning("router: prefill %s sent no bounded answer; decode computes", name)
-                return None
-            body = await upstream.read()
+            upstream = await self.pool.post(prefill.url, path, raw, authorization=authorization)
+            try:
+                if upstream.status != 200:
+                    logger.warning(
+                        "router: prefill %s answered %d; decode computes", name, upstream.status
+                    )
+                    return None
+                length = upstream.content_length
+                if length is None or length > MAX_PREFILL_ANSWER:
+                    logger.warning(
+                        "router: prefill %s sent no bounded answer; decode computes", name
+                    )
+                    return None
+                answer = await upstream.read()
+            finally:
+                upstream.release()
+        except UpstreamTimeout as e:
+            router.mark_down(name, f"prefill stalled: {e}")
+            return None
+        except (Unreachable, UpstreamBroken) as e:
+            logger.warning("router: prefill %s failed (%s); decode computes", name, e)
+            router.mark_down(name, f"prefill failed: {e}")
+            return None
         finally:
-            upstream.release()
-    except UpstreamTimeout as e:
-        router.mark_down(name, f"prefill stalled: {e}")
-        return None
-    except (Unreachable, UpstreamBroken) as e:
-        logger.warning("router: prefill %s failed (%s); decode computes", name, e)
-        router.mark_down(name, f"prefill failed: {e}")
-        return None
-    finally:
-        router.landed(name, 0)
+            router.loads.landed(name, 0)
+        return _params_of(name, answer)
+
+
+def _params_of(name: str, answer: bytes) -> dict[str, Any] | None:
+    """P's answer's `kv_transfer_params`, checked as the decode instance checks them (the
+    keys kvconnect reads; others pass); None, logged, when they are absent or malformed."""
     try:
-        params = _answer.decode(body).kv_transfer_params
+        params = _answer.decode(answer).kv_transfer_params
     except (msgspec.DecodeError, msgspec.ValidationError) as e:
         logger.warning("router: prefill %s answered no JSON params (%s); decode computes", name, e)
         return None
     if not params or not params.get("do_remote_prefill"):
         logger.warning("router: prefill %s gave no kv_transfer_params; decode computes", name)
         return None
-    try:  # the keys kvconnect reads, as the decode instance checks them (others pass)
+    try:
         parse(params, strict=False)
     except ValueError as e:
         logger.warning(

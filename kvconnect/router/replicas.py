@@ -8,7 +8,7 @@ under traffic (as Dynamo's routers share their active sequences between replicas
         {"instances": {"<url>": {"in_flight": 3, "pending": 1536}, ...}, "version": 8,
          "measured": [[7, "<url>", 0.41, 300, 1, null, 0, 2], ...]}
         this replica's own count per instance: requests in flight there and the prompt
-        tokens they have still to compute (`Router.pending`); `version` counts its changes.
+        tokens they have still to compute (`loads.Loads.pending`); `version` counts its changes.
         With `after`, the answer waits until the version is past V, or LOAD_HOLD_S.
         `measured`: the answers this replica measured after version V (all it keeps, without
         `after`), each [version, instance, elapsed s, computed, completion, source or null,
@@ -23,7 +23,7 @@ Each replica's /kv/load is read in a loop, each read naming the version the last
 answered (a long poll: a change at one replica reaches the others within a round trip, where
 a poll every 0.1 s left them deciding six requests of a burst on old counts), with the admin
 token, or the API key, this router is given (replicas of one deployment share them); it is
-added to this router's own count when it chooses (`Router.loads`). An answer older than
+added to this router's own count when it chooses (`loads.Loads.of`). An answer older than
 REPLICA_STALE_S no longer counts: a replica that stops answering stops adding load. An
 answer that is not this shape, or that names an instance this router does not route to, is
 refused whole (logged once per replica until it answers well again).

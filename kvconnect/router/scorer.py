@@ -1,32 +1,40 @@
-"""Choosing an instance for a request: cached prefix against load, in prefill tokens.
+"""Choosing an instance for a request: cached prefix against load, in prefill tokens. The
+cost formula is stated here, once (docs/architecture.md and costs.py point here):
 
-    cost(i) = (prompt_tokens - weighted_hit_tokens(i)) + load_weight * in_flight(i)
+    local(i)   = (prompt - hit_w(i)) + L(i)
+    pull(i, j) = (prompt - held(j)) + (held(i) - hit_w(i)) + P(j, i, held(j) - held(i)) + L(i)
+    cost(i)    = min(local(i), pull(i, j) for each source j) * s_i
 
-`weighted_hit_tokens(i)` is the longest run of consecutive prefix blocks instance i can serve
-(at its own block size), each block's tokens weighted by its best tier (GPU 1.0, CPU 0.8,
-STORAGE/LOCAL 0.5, STORAGE/REMOTE 0.3 by default): roughly the prefill it saves. `load_weight`
-is how many tokens of prefill one request already in flight is worth (default 64). The lowest
-cost wins; ties go to the less loaded instance, then to the one holding fewer blocks (cold
-tenants spread over the instances' caches), then by rendezvous hashing of the request's
-`spread_key` (its first tokens) with each instance's name. With nothing cached anywhere this
-is least-loaded routing.
+    hit_w(i)   the longest run of consecutive prefix blocks i can serve (at its own block
+               size), each block's tokens weighted by its best tier (GPU 1.0, CPU 0.8,
+               STORAGE/LOCAL 0.5, STORAGE/REMOTE 0.3 by default): roughly the prefill it saves
+    held(i)    the same run's tokens, unweighted
+    L(i)       load_weight * in_flight(i) (load_weight: the tokens of prefill one request in
+               flight is worth, default 64); with pulls on, pending(i) + Q(i): pending(i) the
+               prompt tokens i has still to compute for the requests in flight there (the
+               router's own count, as Dynamo's router counts active prefill tokens), Q(i)
+               the queue's measured cost q_i / b_i * in_flight(i) (load_weight *
+               in_flight(i) until measured; `costs.CostModel.load_tokens`)
+    P(j, i, n) what pulling n tokens from j costs i, in prompt tokens it computes meanwhile:
+               (f_ji + c_ji * n) / b_i (`costs.CostModel.pull_tokens`)
+    s_i        b_i over the median b of the candidates (`costs.CostModel.time_scale`, 1/4..4;
+               1 until two fits stand): the candidates compare by time
 
-Where instances serve each other's prefixes (the peer tier, `remote_kv_source`), a candidate
-may also pull what another holds beyond its own prefix (`choose`'s `sources`); the pull's
-cost is learned from answers (costs.py), and a candidate's load counts what it has still to
-prefill for the requests in flight there (`pending`: the router's own count, as Dynamo's
-router counts active prefill tokens) besides their measured cost per request, and each
-candidate's cost is scaled by its measured prefill time per token against a typical
-instance's (`time_scale`), so that the candidates compare by time. Without sources
-the choice depends on nothing but
-the index and the loads, so router replicas that follow the same streams decide alike; with
-them, on each replica's fits too, which agree once both have seen answers.
+Without sources (instances with a peer tier, `remote_kv_source`), or with `--no-pulls`, cost(i)
+is local(i) with L(i) = load_weight * in_flight(i) and s_i = 1: the choice depends on nothing
+but the index and the loads, so router replicas that follow the same streams decide alike;
+with them, on each replica's fits too (costs.py), which agree once both have seen answers.
+
+The lowest cost wins (at equal cost, no pull); ties go to the less loaded instance, then to
+the one holding fewer blocks (cold tenants spread over the instances' caches), then by
+rendezvous hashing of the request's `spread_key` (its first tokens) with each instance's
+name. With nothing cached anywhere this is least-loaded routing.
 """
 
 from __future__ import annotations
 
 from array import array
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import xxhash
@@ -39,8 +47,11 @@ DEFAULT_LOAD_WEIGHT = 64.0
 @dataclass(frozen=True)
 class Decision:
     instance: str
+    """The instance chosen."""
     cost: float
+    """Its cost (the formula above), in prompt tokens' worth."""
     score: PrefixScore
+    """What the index credits it with."""
     source: str | None = None
     """An instance to pull the prefix from (`remote_kv_source`): it holds more of it."""
     computed: int = 0
@@ -53,79 +64,97 @@ PullTokens = Callable[[str, str, int], float]
 tokens it would compute meanwhile (`costs.CostModel.pull_tokens`)."""
 
 
+@dataclass(frozen=True)
+class Inputs:
+    """What `choose` weighs for one request: the index's scores, the loads, the learned
+    costs. Without `pull_tokens` (no sources), the choice depends on the first four alone."""
+
+    scores: Mapping[str, PrefixScore]
+    """Per instance, what it holds of the prompt (absent: nothing)."""
+    loads: Mapping[str, int]
+    """Per instance, the requests in flight there."""
+    num_tokens: int
+    """The prompt's tokens."""
+    load_weight: float = DEFAULT_LOAD_WEIGHT
+    spread_key: int = 0
+    """The request's tie-break key (`spread_key`)."""
+    num_blocks: Mapping[str, int] | None = None
+    """Per instance, the blocks the index holds of it: at equal cost and load, the emptier
+    instance wins (cold tenants spread over the caches)."""
+    sources: Sequence[str] = ()
+    """Instances that serve pulls (a peer tier)."""
+    pull_tokens: PullTokens | None = None
+    load_tokens: Callable[[str, int], float] | None = None
+    """(instance, in flight): the measured cost of its queue, in prompt tokens; replaces
+    load_weight * in_flight, and `pending` is added to it."""
+    pending: Mapping[str, int] | None = None
+    """Per instance, the prompt tokens it has still to compute for the requests in flight."""
+    time_scale: Mapping[str, float] | None = None
+    """Per instance, what its prompt token takes against a typical instance's (1 absent)."""
+
+
 def choose(
-    candidates: Sequence[str],
-    scores: Mapping[str, PrefixScore],
-    loads: Mapping[str, int],
-    num_tokens: int,
-    load_weight: float = DEFAULT_LOAD_WEIGHT,
-    spread_key: int = 0,
-    num_blocks: Mapping[str, int] | None = None,
-    sources: Sequence[str] = (),
-    pull_tokens: PullTokens | None = None,
-    load_tokens: Callable[[str, int], float] | None = None,
-    costs_out: dict[str, float] | None = None,
-    pending: Mapping[str, int] | None = None,
-    time_scale: Mapping[str, float] | None = None,
+    candidates: Sequence[str], inputs: Inputs, costs_out: dict[str, float] | None = None
 ) -> Decision:
     """The cheapest of `candidates` (non-empty) for a request of `num_tokens` prompt tokens.
-    With `sources` (instances that serve pulls) and `pull_tokens`, each candidate may also
-    pull the prefix a source holds beyond its own:
-
-        cost(i, j) = (prompt_tokens - held(j)) + (held(i) - weighted_hit_tokens(i))
-                     + pull_tokens(j, i, held(j) - held(i)) + load_weight * in_flight(i)
-
-    the prompt past j's prefix computed, i's own hit as usual, the difference pulled. At
-    equal cost, no pull. `load_tokens(i, in_flight(i))`, where given, replaces
-    load_weight * in_flight(i) (the measured cost of a queue, costs.py); with it, `pending(i)`
-    is added: the prompt tokens i has still to compute for the requests in flight there,
-    which its prefill serves before this one's. `costs_out`, where given, gets each
-    candidate's own best cost (to compare two routers' choices). `time_scale`, where given,
-    multiplies each candidate's costs by what its prompt token takes against a typical
-    instance's (`costs.CostModel.time_scale`; 1 where absent): a slower instance's tokens
-    count for more."""
+    With `sources` and `pull_tokens`, each candidate may also pull the prefix a source holds
+    beyond its own (`_pulls`); at equal cost, no pull. `load_tokens(i, in_flight(i))`, where
+    given, replaces load_weight * in_flight(i), and `pending(i)` is added: i's prefill
+    serves those tokens before this one's. `time_scale` multiplies each candidate's costs
+    (`costs.CostModel.time_scale`): a slower instance's tokens count for more.
+    `costs_out`, where given, gets each candidate's own best cost (to compare two routers'
+    choices)."""
     if not candidates:
         raise ValueError("no instance to route to")
+    x = inputs
+    sizes, pending, scales = x.num_blocks or {}, x.pending or {}, x.time_scale or {}
     best: tuple[float, int, int, int, int, int] | None = None
-    sizes = num_blocks or {}
     decision: Decision | None = None
-    empty = PrefixScore()
     for order, name in enumerate(candidates):
-        score = scores.get(name) or empty
-        load = loads.get(name, 0)
-        if load_tokens is None:
-            on_load = load_weight * load
+        score = x.scores.get(name) or _EMPTY
+        load = x.loads.get(name, 0)
+        if x.load_tokens is None:
+            on_load = x.load_weight * load
         else:
-            on_load = load_tokens(name, load) + (pending or {}).get(name, 0)
-        spread = -xxhash.xxh3_64_intdigest(name.encode(), seed=spread_key & (2**64 - 1))
+            on_load = x.load_tokens(name, load) + pending.get(name, 0)
+        spread = -xxhash.xxh3_64_intdigest(name.encode(), seed=x.spread_key & (2**64 - 1))
         tie = (load, sizes.get(name, 0), spread, order)
-        scale = (time_scale or {}).get(name, 1.0)
-        cost = ((num_tokens - score.weighted_tokens) + on_load) * scale
+        scale = scales.get(name, 1.0)
+        cost = ((x.num_tokens - score.weighted_tokens) + on_load) * scale
         key = (round(cost, 9), 0, *tie)
         if best is None or key < best:
-            best, decision = key, Decision(name, cost, score, None, num_tokens - score.num_tokens)
+            best, decision = key, Decision(name, cost, score, None, x.num_tokens - score.num_tokens)
         if costs_out is not None:
             costs_out[name] = cost
-        if pull_tokens is None:
-            continue
-        own = score.num_tokens
-        for source in sources:
-            held = (scores.get(source) or empty).num_tokens
-            if source == name or held <= own:
-                continue
-            cost = (
-                (num_tokens - held)
-                + (own - score.weighted_tokens)
-                + pull_tokens(source, name, held - own)
-                + on_load
-            ) * scale
+        for source, held, cost in _pulls(x, name, score, on_load, scale):
             key = (round(cost, 9), 1, *tie)
             if key < best:
-                best, decision = key, Decision(name, cost, score, source, num_tokens - held)
+                best, decision = key, Decision(name, cost, score, source, x.num_tokens - held)
             if costs_out is not None and cost < costs_out[name]:
                 costs_out[name] = cost
     assert decision is not None
     return decision
+
+
+_EMPTY = PrefixScore()
+
+
+def _pulls(
+    x: Inputs, name: str, score: PrefixScore, on_load: float, scale: float
+) -> Iterator[tuple[str, int, float]]:
+    """(source, its held tokens, cost) of each pull `name` could make: from every source
+    holding more of the prefix than `name` does, pull(i, j) (the module's formula): the
+    prompt past j's prefix computed, i's own hit as usual, the difference pulled."""
+    if x.pull_tokens is None:
+        return
+    own = score.num_tokens
+    for source in x.sources:
+        held = (x.scores.get(source) or _EMPTY).num_tokens
+        if source == name or held <= own:
+            continue
+        pulled = x.pull_tokens(source, name, held - own)
+        cost = ((x.num_tokens - held) + (own - score.weighted_tokens) + pulled + on_load) * scale
+        yield source, held, cost
 
 
 def spread_key(token_ids: Sequence[int]) -> int:

@@ -71,10 +71,11 @@ from kvconnect.http.h1_server import (
     json_response,
 )
 from kvconnect.http.limits import ConnectionLimits
-from kvconnect.router.core import Router, stale_check
-from kvconnect.router.forward import forward
+from kvconnect.router.core import Picked, Router, Scored, stale_check
+from kvconnect.router.forward import Relay, forward
+from kvconnect.router.loads import Loads
 from kvconnect.router.metrics import RouterMetrics
-from kvconnect.router.pd import prefilled, with_source, without_params
+from kvconnect.router.pd import Body, PrefillStep
 from kvconnect.router.replicas import LOAD_HOLD_S, load_after
 from kvconnect.router.tracing import RouterTracing, RouteTrace, passthrough
 
@@ -142,7 +143,7 @@ def _none_answered(reason: str) -> Response:
 
 def _counted(
     release: Callable[[], None] | None,
-    router: Router,
+    loads: Loads,
     name: str,
     computed: int,
     ended: Callable[[], None] | None = None,
@@ -153,11 +154,29 @@ def _counted(
     def done() -> None:
         if release is not None:
             release()
-        router.landed(name, computed)
+        loads.landed(name, computed)
         if ended is not None:
             ended()
 
     return done
+
+
+@dataclass
+class _Routing:
+    """One client request as it is routed, over the instances tried."""
+
+    http: Request
+    req: CompletionRequest | ChatCompletionRequest
+    token_ids: list[int]
+    body: Body
+    own_params: bool
+    """A trusted client's own `kv_transfer_params` stay (and win over a pull's)."""
+    authorization: str | None
+    trace: RouteTrace | None
+    prefill_pending: bool
+    """P/D: the prefill step runs once, whichever decode instance answers."""
+    with_params: tuple[bytes, str] | None = None
+    """P/D: the body with P's params, and P."""
 
 
 class RouterServer:
@@ -166,11 +185,11 @@ class RouterServer:
 
     def __init__(self, router: Router, options: RouterOptions) -> None:
         self.router = router
-        self.metrics = RouterMetrics(router)
         key = options.instance_api_key
         self._instance_auth = f"Bearer {key}" if key is not None else None
         self.pool = UpstreamPool(read_timeout=options.upstream_timeout)
-        self.pd_min_tail = options.pd_min_tail
+        self.pd = PrefillStep(router, self.pool, options.pd_min_tail)
+        self.metrics = RouterMetrics(router, self.pd.outcomes)
         self.trust_client_kv_params = options.trust_client_kv_params
         self.tracing = options.tracing
         keys = (options.api_key,) if isinstance(options.api_key, str) else options.api_key or ()
@@ -180,13 +199,13 @@ class RouterServer:
         self._replicas: asyncio.Task[None] | None = None
         self._load_event = asyncio.Event()
         self._load_waiting = 0  # held /kv/load reads
-        router.on_load_change = self._wake_load_waiters
+        router.loads.watch(self._wake_load_waiters)
 
     async def start(self) -> None:
         self._health = asyncio.create_task(self.router.health.run(self.pool))
-        if self.router.replicas is not None:
-            follow = self.router.replicas.follow(self.pool, self._replica_auth)
-            self._replicas = asyncio.create_task(follow)
+        replicas = self.router.loads.replicas
+        if replicas is not None:
+            self._replicas = asyncio.create_task(replicas.follow(self.pool, self._replica_auth))
 
     async def close(self) -> None:
         for task in (self._health, self._replicas):
@@ -243,88 +262,92 @@ class RouterServer:
     async def _route(self, http: Request, chat: bool, trace: RouteTrace | None) -> Response:
         req, token_ids = await self._parse(http, chat)
         router = self.router
-        authorization = self._authorization(http)
-        raw = http.body  # what the instance gets, but for the params added below
+        body = Body(http.body)  # what the instance gets, but for the params added
         own_params = req.kv_transfer_params is not None and self.trust_client_kv_params
         if req.kv_transfer_params is not None and not own_params:
-            raw = without_params(raw)
+            body.drop_params()
+        pd = bool(router.instances.prefill_names)
+        r = _Routing(http, req, token_ids, body, own_params, self._authorization(http), trace, pd)
+        await router.follow.wait_synced()  # a router just (re)started: the whole index
+        if not pd:  # a burst sharing a new prefix: computed once, not everywhere
+            await router.bursts.wait_for_prefill(token_ids, req.cache_salt)
         tried: set[str] = set()
         failed = ""
-        prefill_pending = bool(router.prefill_names)  # P/D: once, whichever D answers
-        with_params: tuple[bytes, str] | None = None  # P/D: the body with P's params, P
-        if not await router.wait_synced():  # a router just (re)started: the whole index
-            router.decisions_unsynced += 1
-        if not router.prefill_names:  # a burst sharing a new prefix: computed once, not everywhere
-            await router.wait_for_prefill(token_ids, req.cache_salt)
         while True:
             costs: dict[str, float] | None = None if trace is None else {}
-            picked = router.pick(token_ids, tried, req.cache_salt, costs)
+            scored = router.scored(token_ids, req.cache_salt)
+            picked = router.pick(scored, tried, costs)
             if picked is None:
                 return _none_answered(failed) if failed else _none_in_rotation()
-            instance, score, source, _ = picked
-            tried.add(instance.name)
-            http.instance = instance.name
-            others, ahead = router.loads([instance.name])  # before this one: what it meets
-            router.sent(instance.name, picked.computed)
-            computing = None
-            if source is None and not router.prefill_names:
-                computing = router.prefilling(instance.name, token_ids, req.cache_salt, score)
-            ended = None if computing is None else partial(router.prefilled, computing)
+            name = picked.instance.name
+            tried.add(name)
+            http.instance = name
             try:
-                if prefill_pending:
-                    prefill_pending = False
-                    with_params = await prefilled(
-                        router,
-                        self.pool,
-                        http.path,
-                        raw,
-                        token_ids,
-                        instance.name,
-                        score,
-                        self.pd_min_tail,
-                        authorization,
-                        req.cache_salt,
-                    )
-                body, pulls_from = with_params or (None, None)
-                if body is None and source is not None and not own_params:
-                    body = with_source(raw, source)  # a trusted client's own params win
-                    pulls_from = source.name
-                # D counts what it pulled (or, vLLM, P's hits), not what its index entry says;
-                # an instance that pulled, what it pulled too
-                check = None if pulls_from else stale_check(req, token_ids)
-                if trace is not None and costs is not None:
-                    trace.decided(picked, len(token_ids), costs, pulls_from)
-                response = await forward(
-                    http,
-                    self.pool,
-                    instance,
-                    body or raw,
-                    router,
-                    score,
-                    check,
-                    authorization,
-                    pulls_from,
-                    req.stream and req.include_usage,
-                    (others[instance.name], ahead[instance.name]),
-                    passthrough(http.headers) if trace is None else trace.headers(),
-                )
-            except BaseException as e:
-                router.landed(instance.name, picked.computed)
-                if ended is not None:
-                    ended()
-                if not isinstance(e, Unreachable):
-                    raise
-                logger.warning("router: %s unreachable (%s); trying another", instance.name, e)
+                return await self._send(r, scored, picked, costs)
+            except Unreachable as e:
+                logger.warning("router: %s unreachable (%s); trying another", name, e)
                 if trace is not None:
-                    trace.unreachable(instance.name, e)
-                router.mark_down(instance.name, f"forward failed: {e}")
-                failed = f"{instance.name}: {e}"
-                continue
-            # In flight until the answer is sent, cut or abandoned (a stream's takes a while).
-            response.on_close = _counted(
-                response.on_close, router, instance.name, picked.computed, ended
-            )
-            return response
+                    trace.unreachable(name, e)
+                router.mark_down(name, f"forward failed: {e}")
+                failed = f"{name}: {e}"
+
+    async def _send(
+        self, r: _Routing, scored: Scored, picked: Picked, costs: dict[str, float] | None
+    ) -> Response:
+        """The request to `picked`, in flight there until its answer is sent, cut or
+        abandoned (a stream's takes a while); `Unreachable` before the answer begins."""
+        router, name, computed = self.router, picked.instance.name, picked.computed
+        others, ahead = router.loads.of([name])  # before this one: what it meets
+        router.loads.sent(name, computed)
+        computing = None
+        if picked.source is None and not router.instances.prefill_names:
+            computing = router.bursts.prefilling(name, r.token_ids, r.req.cache_salt, picked.score)
+        ended = None if computing is None else partial(router.bursts.prefilled, computing)
+        try:
+            relay = await self._relay(r, scored, picked, (others[name], ahead[name]), costs)
+            response = await forward(r.http, self.pool, router, relay)
+        except BaseException:
+            router.loads.landed(name, computed)
+            if ended is not None:
+                ended()
+            raise
+        response.on_close = _counted(response.on_close, router.loads, name, computed, ended)
+        return response
+
+    async def _relay(
+        self,
+        r: _Routing,
+        scored: Scored,
+        picked: Picked,
+        load: tuple[int, int],
+        costs: dict[str, float] | None,
+    ) -> Relay:
+        """What `picked` gets: with P's params (P/D), or a pull's source, or as it came."""
+        if r.prefill_pending:
+            r.prefill_pending = False
+            r.with_params = await self.pd.run(r.http.path, r.body, scored, picked, r.authorization)
+        body, pulls_from = r.with_params or (None, None)
+        if body is None and picked.source is not None and not r.own_params:
+            body = r.body.with_source(picked.source)  # a trusted client's own params win
+            pulls_from = picked.source.name
+        # D counts what it pulled (or, vLLM, P's hits), not what its index entry says; an
+        # instance that pulled, what it pulled too
+        check = None if pulls_from else stale_check(r.req, r.token_ids)
+        if r.trace is not None and costs is not None:
+            r.trace.decided(picked, len(r.token_ids), costs, pulls_from)
+        headers = passthrough(r.http.headers) if r.trace is None else r.trace.headers()
+        streamed_usage = r.req.stream and r.req.include_usage
+        return Relay(
+            picked.instance,
+            body or r.body.raw,
+            picked.score,
+            pulls_from,
+            check,
+            load,
+            streamed_usage,
+            r.authorization,
+            headers,
+        )
 
     async def completions(self, http: Request) -> Response:
         return await self.route(http, chat=False)
@@ -373,11 +396,10 @@ class RouterServer:
         (nothing is sent)."""
         req, token_ids = await self._parse(http, None)
         router = self.router
-        scores = router.scores(token_ids, req.cache_salt)
+        scored = router.scored(token_ids, req.cache_salt)
         costs: dict[str, float] = {}
-        picked = (
-            None if router.prefill_names else router.pick(token_ids, set(), req.cache_salt, costs)
-        )
+        pd = bool(router.instances.prefill_names)
+        picked = None if pd else router.pick(scored, set(), costs)
         instances = {
             name: {
                 "cached_blocks": sc.num_blocks,
@@ -385,7 +407,7 @@ class RouterServer:
                 "block_size": sc.block_size,
                 "blocks_per_tier": sc.blocks_per_tier,
             }
-            for name, sc in scores.items()
+            for name, sc in scored.scores.items()
         }
         choice = None
         if picked is not None:  # what routing it now would choose (in prompt tokens' worth)
@@ -397,22 +419,19 @@ class RouterServer:
     async def kv_load(self, http: Request) -> Response:
         """This replica's own load per instance and its version; with `?after=V`, answered
         once the version is past V, or after LOAD_HOLD_S (replicas.py)."""
-        r = self.router
+        loads = self.router.loads
         try:
             after = load_after(http.query)
         except ValueError as e:
             return error_response(ApiError(str(e), param="after"))
-        if after is not None and r.load_version <= after:
+        if after is not None and loads.version <= after:
             self._load_waiting += 1
             try:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._load_event.wait(), LOAD_HOLD_S)
             finally:
                 self._load_waiting -= 1
-        loads = {i.name: {"in_flight": r.in_flight[i.name], "pending": r.pending[i.name]}
-                 for i in r.instances}  # fmt: skip
-        measured = [m for m in r.measured if after is None or m.version > after]
-        return json_response({"instances": loads, "version": r.load_version, "measured": measured})
+        return json_response(loads.state(after))
 
     def _wake_load_waiters(self) -> None:
         """The router's own load changed: every held /kv/load answers now (twice a request:
@@ -422,7 +441,7 @@ class RouterServer:
             self._load_event = asyncio.Event()
 
     async def health(self, _: Request) -> Response:
-        states, synced = self.router.health.states, self.router.synced
+        states, synced = self.router.health.states, self.router.follow.synced
         instances = {
             name: {"state": "up" if s.up else "down", "reason": s.reason, "synced": name in synced}
             for name, s in states.items()

@@ -188,6 +188,15 @@ REPLAY_ATTEMPTS = 3
 should have repaired is reported lost."""
 
 
+def _check_sizes(start_seq: int | None, max_message_size: int) -> None:
+    if start_seq is not None and start_seq < 0:
+        raise ValueError(f"start_seq must be >= 0, got {start_seq}")
+    if isinstance(max_message_size, bool) or not isinstance(max_message_size, int):
+        raise ValueError(f"max_message_size must be an integer, got {max_message_size!r}")
+    if max_message_size < 1:
+        raise ValueError(f"max_message_size must be >= 1, got {max_message_size}")
+
+
 class KVEventSubscriber:
     """Subscribe to one or more KV event publishers; iterate to get their batches in order."""
 
@@ -211,31 +220,16 @@ class KVEventSubscriber:
         if not self.endpoints:
             raise ValueError("endpoint: at least one endpoint is needed")
         self._replay_by_source, self._replay_by_rank = self._resolve_replay(replay_endpoint)
-        if snapshot_endpoint is None or isinstance(snapshot_endpoint, str):
-            if isinstance(snapshot_endpoint, str) and len(self.endpoints) > 1:
-                raise ValueError("snapshot_endpoint: give one per endpoint (a list)")
-            self._snapshot_by_source = [snapshot_endpoint] * len(self.endpoints)
-        elif len(snapshot_endpoint) != len(self.endpoints):
-            raise ValueError(
-                f"snapshot_endpoint: {len(snapshot_endpoint)} given for "
-                f"{len(self.endpoints)} endpoints"
-            )
-        else:
-            self._snapshot_by_source = list(snapshot_endpoint)
-        if start_seq is not None and start_seq < 0:
-            raise ValueError(f"start_seq must be >= 0, got {start_seq}")
+        self._snapshot_by_source = self._resolve_snapshots(snapshot_endpoint)
+        _check_sizes(start_seq, max_message_size)
         self._start_seq = start_seq
-        if isinstance(max_message_size, bool) or not isinstance(max_message_size, int):
-            raise ValueError(f"max_message_size must be an integer, got {max_message_size!r}")
-        if max_message_size < 1:
-            raise ValueError(f"max_message_size must be >= 1, got {max_message_size}")
         self._max_message_size = max_message_size
+        self._topic = topic.encode()
         self._curve = curve
         self._snapshots = snapshots
+        self._ctx = context or zmq.Context.instance()
         self._replay_timeout = replay_timeout
         self._bind = bind
-        self._topic = topic.encode()
-        self._ctx = context or zmq.Context.instance()
         self._poller = zmq.Poller()
         self._sources: list[_Source] = []
         self._by_socket: dict[zmq.Socket[bytes], tuple[_Source, bool]] = {}
@@ -251,18 +245,7 @@ class KVEventSubscriber:
         self._wake_read, self._wake_write = os.pipe()
         os.set_blocking(self._wake_write, False)
         self._poller.register(self._wake_read, zmq.POLLIN)
-        self.num_bad_frames = 0
-        self.num_decode_errors = 0
-        self.num_gaps_repaired = 0
-        self.num_batches_replayed = 0
-        self.num_batches_lost = 0
-        self.num_replay_failures = 0
-        """Replay answers that stalled (no message for `replay_timeout`) or failed."""
-        self.num_duplicates = 0
-        self.num_handshakes = 0
-        self.num_snapshots = 0
-        self.num_bootstraps = 0
-        """PR #57789 snapshots applied (first contact, a restart, a loss)."""
+        self._zero_counts()
         self.connected: set[str] = set()
         """Endpoints whose publisher this subscriber has reached at least once."""
         self.handshaking = False
@@ -276,6 +259,32 @@ class KVEventSubscriber:
         self._unrepaired = False  # a loss reported since the last resync
         for i, ep in enumerate(self.endpoints):
             self._open(i, ep, hwm)
+
+    def _zero_counts(self) -> None:
+        self.num_bad_frames = 0
+        self.num_decode_errors = 0
+        self.num_gaps_repaired = 0
+        self.num_batches_replayed = 0
+        self.num_batches_lost = 0
+        self.num_replay_failures = 0
+        """Replay answers that stalled (no message for `replay_timeout`) or failed."""
+        self.num_duplicates = 0
+        self.num_handshakes = 0
+        self.num_snapshots = 0
+        self.num_bootstraps = 0
+        """PR #57789 snapshots applied (first contact, a restart, a loss)."""
+
+    def _resolve_snapshots(self, given: str | Sequence[str | None] | None) -> list[str | None]:
+        """Per endpoint, its snapshot endpoint (PR #57789's; None: none)."""
+        if given is None or isinstance(given, str):
+            if isinstance(given, str) and len(self.endpoints) > 1:
+                raise ValueError("snapshot_endpoint: give one per endpoint (a list)")
+            return [given] * len(self.endpoints)
+        if len(given) != len(self.endpoints):
+            raise ValueError(
+                f"snapshot_endpoint: {len(given)} given for {len(self.endpoints)} endpoints"
+            )
+        return list(given)
 
     def _open(self, index: int, endpoint: str, hwm: int) -> None:
         sub = self._ctx.socket(zmq.SUB)

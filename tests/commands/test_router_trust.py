@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kvconnect.router.core import Instance
+from kvconnect.router.instances import Instance
 from tests.helpers import free_port
 from tests.serving import Process
 

@@ -22,7 +22,7 @@ import yaml
 from kvconnect.cli import build_parser
 from kvconnect.config import KVEventsConfig, KVTransferConfig
 from kvconnect.connector.offload.common import OffloadConfig
-from kvconnect.router.core import Instance
+from kvconnect.router.instances import Instance
 from tests.deploy.kustomize import render
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"

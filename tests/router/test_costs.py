@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from kvconnect.router.core import common_prefix
+from kvconnect.router.bursts import common_prefix
 from kvconnect.router.costs import MAX_SCALE, PRIOR_PULL_RATIO, CostModel
 from kvconnect.router.pd import min_tail_of
 

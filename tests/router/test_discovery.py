@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from kvconnect.router.core import Instance
 from kvconnect.router.discovery import Undiscovered, parse_instance, parse_sources
+from kvconnect.router.instances import Instance
 from kvconnect.stream.wire import KVEventSource, with_host
 
 EVENTS = "tcp://127.0.0.1:18001"

@@ -10,8 +10,9 @@ import pytest
 
 from kvconnect.http.h1_server import Request
 from kvconnect.model.tokenizer import load_tokenizer
-from kvconnect.router.core import Instance, Router, Usage, _Details
+from kvconnect.router.core import Router, Usage, _Details
 from kvconnect.router.index import BlockIndex, PrefixScore
+from kvconnect.router.instances import Instance
 from kvconnect.router.replicas import (
     REPLICA_STALE_S,
     Measured,
@@ -106,7 +107,7 @@ def test_kv_load_after_a_version_is_answered_at_the_next_change() -> None:
             held = asyncio.create_task(handlers.kv_load(kv_load(f"after={now['version']}")))
             await asyncio.sleep(0)  # the handler runs until it waits
             assert not held.done()
-            router.sent(X, 100)
+            router.loads.sent(X, 100)
             got = msgspec.json.decode((await held).body)
             assert got["version"] > now["version"]
             assert got["instances"] == {X: {"in_flight": 1, "pending": 100}}

@@ -10,8 +10,9 @@ import zmq.auth
 
 from kvconnect.commands.events import CURVE_CLIENT_KEY_ENV, CURVE_SERVER_KEY_ENV, curve_from_env
 from kvconnect.model.tokenizer import load_tokenizer
-from kvconnect.router.core import Instance, Router
+from kvconnect.router.core import Router
 from kvconnect.router.index import BlockIndex
+from kvconnect.router.instances import Instance
 from kvconnect.stream.publisher import ZmqEventPublisher
 from tests.helpers import make_batch, tcp_pair, wait_for
 

@@ -8,8 +8,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvconnect.events import BlockRemoved, BlockStored, KVEventBatch
 from kvconnect.hashing import block_hashes, to_wire
 from kvconnect.model.tokenizer import ByteTokenizer
-from kvconnect.router.core import Instance, Router
+from kvconnect.router.core import Router
 from kvconnect.router.index import BlockIndex
+from kvconnect.router.instances import Instance
 from kvconnect.router.metrics import RouterMetrics
 
 A = "http://127.0.0.1:1"

@@ -10,8 +10,9 @@ import pytest
 
 from kvconnect import LLM, SamplingParams
 from kvconnect.model.tokenizer import load_tokenizer
-from kvconnect.router.core import Instance, Router
+from kvconnect.router.core import Router
 from kvconnect.router.index import BlockIndex
+from kvconnect.router.instances import Instance
 from tests.helpers import wait_for
 
 pytestmark = pytest.mark.slow
@@ -47,14 +48,14 @@ def test_two_replicas_decide_alike_on_a_replayed_workload(tmp_path: Path) -> Non
                 wait_applied(r, engines)
             picks = []
             for r in replicas:
-                picked = r.pick(tokens, set())
+                picked = r.pick(r.scored(tokens), set())
                 assert picked is not None
                 picks.append(picked[0].name)
             if second is not None:
                 decisions.append((picks[0], picks[1]))
             # Each replica routes its share of the traffic and counts what it sent: their own
             # histories differ, which must not change any decision.
-            replicas[n % len(replicas)].decisions[picks[0]] += 1
+            replicas[n % len(replicas)].counts.decisions[picks[0]] += 1
             engines[picks[0]].generate([tokens], SamplingParams(max_tokens=2, ignore_eos=True))
         assert len(decisions) == 25
         assert all(a == b for a, b in decisions), decisions
@@ -78,7 +79,7 @@ def wait_applied(router: Router, engines: dict[str, LLM], timeout: float = 10.0)
 
     def seen() -> dict[str, int]:
         with router.lock:
-            return dict(router.last_seq)
+            return dict(router.follow.last_seq)
 
     def applied() -> bool:
         last = seen()

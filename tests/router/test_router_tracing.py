@@ -35,8 +35,9 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from kvconnect.router.core import Instance, Picked
+from kvconnect.router.core import Picked
 from kvconnect.router.index import PrefixScore
+from kvconnect.router.instances import Instance
 from kvconnect.router.tracing import RouterTracing, RouteTrace
 from tests.helpers import free_port, wait_for
 from tests.serving import RouterProcess, Serve, post, request

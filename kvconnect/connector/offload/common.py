@@ -37,6 +37,7 @@ from kvconnect.connector.events import KVEventsWorkerMetadata
 from kvconnect.connector.offload.kinds import KIND_NAMES, TierKind
 from kvconnect.events import BlockRemoved, BlockStored, ExternalBlockHash
 from kvconnect.messages import KVConnectorMetadata, KVConnectorWorkerMetadata
+from kvconnect.transfer_params import parse_endpoint
 
 GROUP_IDX, SPEC_KIND = 0, "full_attention"
 """What the connector's events say of the KV cache group: a model with one kind of attention."""
@@ -191,18 +192,6 @@ class PeerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     def source_addrs(self) -> frozenset[tuple[str, int]]:
         """`sources` as (host, port) pairs, as a request names them."""
         return frozenset(parse_endpoint(s, "peer.sources") for s in self.sources)
-
-
-def parse_endpoint(text: str, what: str) -> tuple[str, int]:
-    """`HOST:PORT` (`[v6]:PORT`) as (host, port); `ValueError` naming `what` if it is not one."""
-    host, sep, port = text.rpartition(":")
-    host = host.removeprefix("[").removesuffix("]")
-    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
-        raise ValueError(
-            f"{what}={text!r}: a peer is HOST:PORT, its host and rank 0's peer port (a bare "
-            "host would let a request name any port of it)"
-        )
-    return host, int(port)
 
 
 class OffloadConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
