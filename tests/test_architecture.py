@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import inspect
 import re
 from pathlib import Path
 
@@ -214,3 +215,132 @@ def test_no_import_cycle() -> None:
 
     for n in sorted(graph):
         visit(n, [])
+
+
+def _functions() -> list[tuple[str, ast.FunctionDef | ast.AsyncFunctionDef]]:
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                found.append((f"{module_name(path)}.{node.name}:{node.lineno}", node))
+    return found
+
+
+def test_functions_stay_short_and_take_few_positional_parameters() -> None:
+    """At most 2 functions over 60 lines (docstring included); none with more than 8
+    positional parameters (options past those are keyword-only, as vLLM's `LLM(...)`)."""
+    lengths = {name: f.end_lineno - f.lineno + 1 for name, f in _functions() if f.end_lineno}
+    long = sorted(name for name, n in lengths.items() if n > 60)
+    assert len(long) <= 2, f"functions over 60 lines: {long}"
+    wide = [
+        name
+        for name, f in _functions()
+        if len([a for a in f.args.posonlyargs + f.args.args if a.arg not in ("self", "cls")]) > 8
+    ]
+    assert wide == [], "functions with more than 8 positional parameters"
+
+
+def _class(module: str, name: str) -> ast.ClassDef:
+    path = PACKAGE.joinpath(*module.split(".")).with_suffix(".py")
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.ClassDef) and node.name == name:
+            return node
+    pytest.fail(f"{module} defines no class {name}")
+
+
+ROUTER_ROOMS = {
+    "router.instances": "Instances",
+    "router.loads": "Loads",
+    "router.bursts": "Bursts",
+    "router.following": "Follower",
+    "router.changes": "Changes",
+    "router.pd": "PrefillStep",
+}
+"""Each of the router's concerns in a file with its own small class (docs/architecture.md)."""
+
+
+def test_the_router_is_rooms_not_one_object() -> None:
+    assert len((PACKAGE / "router" / "core.py").read_text().splitlines()) < 500
+    init = next(
+        n for n in _class("router.core", "Router").body
+        if isinstance(n, ast.FunctionDef) and n.name == "__init__"
+    )  # fmt: skip
+    members = {
+        t.attr
+        for n in ast.walk(init)
+        if isinstance(n, (ast.Assign, ast.AnnAssign))
+        for t in (n.targets if isinstance(n, ast.Assign) else [n.target])
+        if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self"
+    }
+    assert len(members) <= 12, f"Router has {len(members)} members: {sorted(members)}"
+    for module, cls in ROUTER_ROOMS.items():
+        _class(module, cls)
+    from kvconnect.router.scorer import Inputs, choose  # the scorer's inputs: one named value
+
+    assert list(inspect.signature(choose).parameters)[:2] == ["candidates", "inputs"]
+    assert Inputs.__dataclass_fields__
+
+
+MUTATORS = {"append", "add", "pop", "discard", "clear", "update", "setdefault", "remove"}
+
+
+def _written(node: ast.AST) -> list[ast.expr]:
+    """What `node` writes to: assignment and deletion targets, a mutating call's object."""
+    if isinstance(node, ast.Assign):
+        targets = list(node.targets)
+    elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+        targets = [node.target]
+    elif isinstance(node, ast.Delete):
+        targets = list(node.targets)
+    elif (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr in MUTATORS
+    ):
+        targets = [node.func.value]
+    else:
+        return []
+    return [e for t in targets for e in (t.elts if isinstance(t, ast.Tuple) else [t])]
+
+
+def _chain(expr: ast.expr) -> list[str]:
+    """`self.router.loads.in_flight[n]` -> ["self", "router", "loads", "in_flight"]."""
+    names: list[str] = []
+    while isinstance(expr, (ast.Attribute, ast.Subscript)):
+        if isinstance(expr, ast.Attribute):
+            names.append(expr.attr)
+        expr = expr.value
+    names.append(expr.id if isinstance(expr, ast.Name) else "?")
+    return names[::-1]
+
+
+def test_no_router_module_writes_the_routers_members() -> None:
+    """The router's state changes through its rooms' methods (`loads.sent`, `bursts.prefilled`,
+    `router.record`), never by another module reaching in: `router.counts.x += 1`."""
+    reaching = []
+    for path in sorted((PACKAGE / "router").glob("*.py")):
+        if path.name == "core.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            for target in _written(node):
+                chain = _chain(target)
+                through = chain[1:] if chain[0] == "self" else chain
+                if "router" in through[:-1] or (chain[0] == "router" and len(chain) > 1):
+                    reaching.append(f"{path.name}:{node.lineno} {'.'.join(chain)}")
+    assert reaching == []
+
+
+def test_the_peer_pull_has_a_room() -> None:
+    """connector/offload/peers/: the transports, the sources, leases and `PeerSide`, the one
+    object the worker calls; the worker keeps stores and loads."""
+    code = code_modules()
+    peers = {n for n in code if n.startswith("connector.offload.peers.")}
+    rooms = ("protocol", "tcp", "curve", "transport", "sources", "side", "leases")
+    assert {f"connector.offload.peers.{m}" for m in rooms} <= peers
+    assert not any(n.startswith("connector.offload.tiers.peer") for n in code)
+    _class("connector.offload.peers.side", "PeerSide")
+    worker = PACKAGE / "connector" / "offload" / "worker.py"
+    assert len(worker.read_text().splitlines()) < 600
+    assert {"connector.offload.peers.tcp", "connector.offload.peers.curve"}.isdisjoint(
+        code["connector.offload.worker"]
+    ), "the worker reaches the transports through PeerSide only"
