@@ -16,9 +16,10 @@ plus PREFILL_FIXED_S), then decodes (DECODE_S_PER_TOKEN a token, alongside the n
 at the prefill's start it publishes its evictions, at its end the prompt's new blocks, at the
 answer's end the answer's blocks (each batch encoded with the wire codec; what a subscriber
 decodes is applied). Time is simulated; the routers are kvconnect's real ones: per replica a
-`Router` (core.py: `pick`, `sent`, `landed`, `loads`) over its own `BlockIndex`, scoring with
-scorer.py's `choose`, and with loads shared its `ReplicaLoads` fed with the /kv/load answers
-of the others (replicas.py) as they stood REPLICA_MIN_INTERVAL_S + one event lag earlier.
+`Router` (core.py's `scored` and `pick`; loads.py's `sent`, `landed`) over its own
+`BlockIndex`, scoring with scorer.py's `choose`, and with loads shared its `ReplicaLoads` fed
+with the /kv/load answers of the others (replicas.py) as they stood REPLICA_MIN_INTERVAL_S +
+one event lag earlier.
 
 The trace: CHATS multi-turn chats over TENANTS system prompts (256-1,536 tokens, Zipf
 popular), 2-8 turns each; a turn is the chat so far, the last answer and a new user message

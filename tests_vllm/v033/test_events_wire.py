@@ -11,6 +11,7 @@ from vllm.distributed import kv_events as vllm_events
 
 from kvconnect import events as ours
 from kvconnect.events import decode_batch, encode_batch
+from tests_vllm.event_pairs import ownership_batches
 
 BS = 16
 
@@ -22,27 +23,7 @@ def test_ownership_set_or_unset_is_written_byte_for_byte_as_vllm_writes_it(
     """vLLM PR #52067: `ownership` on BlockStored (after locality) and BlockRemoved (last);
     unset, it is omitted as every default is. kvconnect's own events, encoded by kvconnect,
     are vLLM's bytes, and each side decodes the other's."""
-
-    fields: dict[str, Any] = {
-        "block_hashes": [2**64 - 1, 7],
-        "parent_block_hash": 3,
-        "token_ids": list(range(2 * BS)),
-        "block_size": BS,
-        "lora_id": None,
-        "medium": "CPU",
-        "lora_name": None,
-        "locality": "LOCAL",
-        "ownership": ownership,
-    }
-    removed: dict[str, Any] = {"block_hashes": [7], "medium": "CPU", "ownership": ownership}
-    theirs = vllm_events.KVEventBatch(
-        2.5,
-        [vllm_events.BlockStored(**fields), vllm_events.BlockRemoved(**removed)],
-        data_parallel_rank=0,
-    )
-    mine = ours.KVEventBatch(
-        2.5, [ours.BlockStored(**fields), ours.BlockRemoved(**removed)], data_parallel_rank=0
-    )
+    theirs, mine = ownership_batches(vllm_events, ownership, BS)
     expected = msgspec.msgpack.Encoder().encode(theirs)
     assert encode_batch(mine) == expected
     assert (b"ownership" in expected) is (ownership is not None)
