@@ -3,7 +3,8 @@
 Each step:
   schedule()              running requests first (decode or the next prefill chunk), preempting
                           the newest running request when blocks run out; then waiting requests
-                          in order: prefix-cache lookup, connector.get_num_new_matched_tokens,
+                          in order (those back from a load, which hold blocks, first when
+                          blocks are short): prefix-cache lookup, get_num_new_matched_tokens,
                           allocation, connector.update_state_after_alloc; then
                           connector.build_connector_meta(output)
   (workers run the step)
@@ -212,7 +213,9 @@ class Scheduler:
             req = self.waiting[0]
             admission = self._admit(req, budget, scheduler_output)
             if admission.outcome is AdmissionOutcome.NO_ROOM:
-                if not self.running and not self._remote_waiting and not self._saving:
+                if self._holders_first():
+                    continue
+                if self._never_fits(req):
                     scheduler_output.stuck_req_id = req.request_id
                 break
             self.waiting.popleft()
@@ -220,6 +223,27 @@ class Scheduler:
                 undecided.append(req)
             budget -= admission.num_tokens
         self.waiting.extendleft(reversed(undecided))
+
+    def _holders_first(self) -> bool:
+        """Waiting requests that hold blocks (back from a load) go ahead of those that do not
+        (new, or preempted): they need few blocks more, and once they finish theirs are free,
+        where behind a request that cannot be admitted they would hold them for ever. True if
+        the order changed."""
+        holds = self.kv_cache_manager.holds_blocks
+        order = sorted(self.waiting, key=lambda r: not holds(r.request_id))  # stable
+        if all(x is y for x, y in zip(order, self.waiting, strict=True)):
+            return False
+        self.waiting = deque(order)
+        return True
+
+    def _never_fits(self, req: Request) -> bool:
+        """`req` could not run even alone: its tokens need more blocks than the pool has, or,
+        without chunked prefill, more than one step's budget."""
+        blocks = -(-req.num_tokens // self.block_size)
+        if blocks > self.pool.num_blocks:
+            return True
+        left = req.num_tokens - req.num_computed_tokens
+        return not self.config.enable_chunked_prefill and left > self.config.max_num_batched_tokens
 
     def _admit(self, req: Request, budget: int, scheduler_output: SchedulerOutput) -> Admission:
         """Try to schedule the waiting request `req` within `budget` tokens."""

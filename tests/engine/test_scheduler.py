@@ -301,3 +301,28 @@ def test_a_request_larger_than_the_pool_is_reported_stuck() -> None:
     s = make(num_blocks=2, budget=64)
     s.add_request(req("big", 12))  # needs 3 blocks of 4
     assert s.schedule().stuck_req_id == "big"
+
+
+def test_a_request_back_from_a_load_goes_first_when_blocks_are_short() -> None:
+    """A request that preempts itself lands ahead of one back from a load, which holds blocks;
+    with nothing running, the first cannot be admitted until the second runs and frees its
+    blocks. It is neither stuck (the engine would fail every request) nor left waiting: the
+    one holding blocks goes first (bench/placement.py's pull burst met this)."""
+    conn = ScriptedConnector()
+    s = make(num_blocks=6, connector=conn)  # 24 token slots
+    a, b = req("a", 8, max_tokens=4), req("b", 17, max_tokens=2, start=50)
+    conn.matched["b"] = (16, True)  # b loads 4 blocks; a holds 2: the pool is full
+    s.add_request(a)
+    s.add_request(b)
+    outs = [step(s, KVConnectorOutput(finished_recving={"b"}))]
+    assert b.status is RequestStatus.WAITING_FOR_REMOTE_KVS and s.pool.num_free_blocks == 0
+    outs.append(step(s))  # b back in waiting, holding its blocks; a needs a 3rd: preempted
+    assert outs[-1].preempted_req_ids == {"a"} and not s.running
+    for _ in range(20):
+        if not s.has_unfinished_requests:
+            break
+        outs.append(step(s))
+    assert [o.stuck_req_id for o in outs] == [None] * len(outs)
+    assert a.status is RequestStatus.FINISHED_LENGTH and b.status is RequestStatus.FINISHED_LENGTH
+    assert a.output_token_ids == [TOKEN] * 4 and b.output_token_ids == [TOKEN] * 2
+    assert_all_free(s)
