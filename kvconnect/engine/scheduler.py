@@ -213,7 +213,7 @@ class Scheduler:
             req = self.waiting[0]
             admission = self._admit(req, budget, scheduler_output)
             if admission.outcome is AdmissionOutcome.NO_ROOM:
-                if self._holders_first():
+                if self._holders_first() or self._release_a_holder(req):
                     continue
                 if self._never_fits(req):
                     scheduler_output.stuck_req_id = req.request_id
@@ -235,6 +235,23 @@ class Scheduler:
             return False
         self.waiting = deque(order)
         return True
+
+    def _release_a_holder(self, head: Request) -> bool:
+        """Nothing runs, loads or saves and `head` cannot be admitted: the waiting requests
+        back from loads hold the blocks it needs (loads of one prefix can fill the pool, each
+        then a block short of computing its last tokens). The last of them other than `head`
+        gives its blocks back, as a preempted request does: what it loaded stays in the
+        prefix cache, where it (and `head`) find it again. True if one did."""
+        if self.running or self._remote_waiting or self._saving:
+            return False
+        for req in reversed(self.waiting):
+            if req is not head and self.kv_cache_manager.holds_blocks(req.request_id):
+                self.kv_cache_manager.free(req.request_id)
+                req.num_computed_tokens = 0
+                req.num_preemptions += 1
+                self.stats.num_preemptions += 1
+                return True
+        return False
 
     def _never_fits(self, req: Request) -> bool:
         """`req` could not run even alone: its tokens need more blocks than the pool has, or,

@@ -326,3 +326,31 @@ def test_a_request_back_from_a_load_goes_first_when_blocks_are_short() -> None:
     assert a.status is RequestStatus.FINISHED_LENGTH and b.status is RequestStatus.FINISHED_LENGTH
     assert a.output_token_ids == [TOKEN] * 4 and b.output_token_ids == [TOKEN] * 2
     assert_all_free(s)
+
+
+def test_loads_that_fill_the_pool_do_not_wait_for_each_other_for_ever() -> None:
+    """Two async loads of one prefix take every block; back from them, each needs one block
+    more to compute its last tokens, and nothing runs to free one. One gives its blocks back
+    (what it loaded stays in the prefix cache), so both finish (bench/placement.py's burst:
+    8 pulls of a 2k prefix held a 16k-token pool, and the instance answered nothing more)."""
+    conn = ScriptedConnector()
+    s = make(num_blocks=8, connector=conn)  # 32 token slots
+    a, b = req("a", 17, max_tokens=2), req("b", 17, max_tokens=2)  # one prompt: one prefix
+    conn.matched["a"] = conn.matched["b"] = (16, True)  # 4 blocks each
+    s.add_request(a)
+    s.add_request(b)
+    outs = [step(s, KVConnectorOutput(finished_recving={"a", "b"}))]
+    assert s.pool.num_free_blocks == 0
+    conn.matched.clear()  # asked again, it has nothing beyond the prefix cache's hit
+    for _ in range(20):
+        if not s.has_unfinished_requests:
+            break
+        outs.append(step(s))
+    assert [o.stuck_req_id for o in outs] == [None] * len(outs)
+    assert a.status is RequestStatus.FINISHED_LENGTH and b.status is RequestStatus.FINISHED_LENGTH
+    assert a.output_token_ids == b.output_token_ids == [TOKEN] * 2
+    assert s.stats.num_preemptions == 1
+    asked_again = [c for c in conn.calls if c[0] == "get_num_new_matched_tokens" and c[2] == 16]
+    # the one that gave its blocks back found the other's cached (asked each step it waits)
+    assert {c[1] for c in asked_again} in ({"a"}, {"b"})
+    assert_all_free(s)

@@ -20,6 +20,7 @@ import re
 import socket
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -400,3 +401,25 @@ def test_usage_and_metrics_say_where_the_cached_tokens_came_from(pair: Pair) -> 
     assert by_source(b) == {"device": 144}
     after = metric(b, 'vllm:prompt_tokens_cached_by_source_total{model_name="tiny",source="p2p"}')
     assert after - before == 4 * CHUNK
+
+
+def test_pulls_that_fill_the_kv_pool_all_answer(pair: Pair, tmp_path: Path) -> None:
+    """Five requests pull one prefix at once into an instance whose KV pool their loads fill
+    (8 blocks each, 40 in all); back from the loads, each needs 2 blocks more. They all
+    answer, with A's text (the instance used to wait for ever, answering nothing more)."""
+    a, _, a_port, _ = pair
+    tokens = prompt(11)
+    text, _ = complete(a, tokens)
+    stored_on(a, 4)
+    c = Serve(
+        tmp_path, "--num-kv-blocks", "40", "--enable-prompt-tokens-details",
+        "--kv-transfer-config", peer_config(free_port(), (a_port,)),
+    )  # fmt: skip
+    c.start()
+    try:
+        with ThreadPoolExecutor(5) as pool:
+            answers = list(pool.map(lambda _: complete(c, tokens, **source(a_port)), range(5)))
+        assert [t for t, _ in answers] == [text] * 5
+        assert complete(c, prompt(12))[1] == 0  # and it serves the next one
+    finally:
+        assert c.stop() == 0, c.logs()
