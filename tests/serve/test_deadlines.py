@@ -97,7 +97,10 @@ def test_400_connections_sending_a_byte_a_second_do_not_stay_open(
     # run with four busy xdist workers.
     busy = [a for a in answers.values() if a]
     assert len(busy) >= 50, len(busy)
-    assert all(a.startswith(b"HTTP/1.1 503") and b"Retry-After: 1" in a for a in busy)
+    other = [
+        a[:200] for a in busy if not (a.startswith(b"HTTP/1.1 503") and b"Retry-After: 1" in a)
+    ]
+    assert other == []
     assert get(target(served, which).url + "/health")[0] == 200
 
 

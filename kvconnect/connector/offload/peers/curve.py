@@ -353,7 +353,9 @@ class CurvePeerClient(PeerClient):
 
     def _unavailable(self, e: Exception, verb: bytes) -> TierUnavailable:
         self.close()
-        why = "did not answer in time" if isinstance(e, TimeoutError) else str(e)
+        # EAGAIN on a send that poll() allowed: the pipe went (a handshake refused) meanwhile
+        late = isinstance(e, (TimeoutError, zmq.Again))
+        why = "did not answer in time" if late else str(e)
         return TierUnavailable(f"peer {self.endpoint} ({verb.decode()}): {why}")
 
     def ask(self, verb: bytes, arg: bytes, deadline: Deadline) -> bytes:
