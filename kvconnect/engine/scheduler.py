@@ -3,8 +3,8 @@
 Each step:
   schedule()              running requests first (decode or the next prefill chunk), preempting
                           the newest running request when blocks run out; then waiting requests
-                          in order (those back from a load, which hold blocks, first when
-                          blocks are short): prefix-cache lookup, get_num_new_matched_tokens,
+                          in order (those back from a load, which hold blocks, ahead of the
+                          rest): prefix-cache lookup, get_num_new_matched_tokens,
                           allocation, connector.update_state_after_alloc; then
                           connector.build_connector_meta(output)
   (workers run the step)
@@ -213,7 +213,7 @@ class Scheduler:
             req = self.waiting[0]
             admission = self._admit(req, budget, scheduler_output)
             if admission.outcome is AdmissionOutcome.NO_ROOM:
-                if self._holders_first() or self._release_a_holder(req):
+                if self._release_a_holder(req):
                     continue
                 if self._never_fits(req):
                     scheduler_output.stuck_req_id = req.request_id
@@ -223,18 +223,6 @@ class Scheduler:
                 undecided.append(req)
             budget -= admission.num_tokens
         self.waiting.extendleft(reversed(undecided))
-
-    def _holders_first(self) -> bool:
-        """Waiting requests that hold blocks (back from a load) go ahead of those that do not
-        (new, or preempted): they need few blocks more, and once they finish theirs are free,
-        where behind a request that cannot be admitted they would hold them for ever. True if
-        the order changed."""
-        holds = self.kv_cache_manager.holds_blocks
-        order = sorted(self.waiting, key=lambda r: not holds(r.request_id))  # stable
-        if all(x is y for x, y in zip(order, self.waiting, strict=True)):
-            return False
-        self.waiting = deque(order)
-        return True
 
     def _release_a_holder(self, head: Request) -> bool:
         """Nothing runs, loads or saves and `head` cannot be admitted: the waiting requests
@@ -246,10 +234,7 @@ class Scheduler:
             return False
         for req in reversed(self.waiting):
             if req is not head and self.kv_cache_manager.holds_blocks(req.request_id):
-                self.kv_cache_manager.free(req.request_id)
-                req.num_computed_tokens = 0
-                req.num_preemptions += 1
-                self.stats.num_preemptions += 1
+                self._give_back(req)
                 return True
         return False
 
@@ -360,14 +345,22 @@ class Scheduler:
         )
         scheduler_output.num_scheduled_tokens[req.request_id] = num_new
 
-    def _preempt(self, req: Request, scheduler_output: SchedulerOutput) -> None:
+    def _give_back(self, req: Request) -> None:
         """Free the request's blocks; it starts over (its cached prefix may survive)."""
         self.kv_cache_manager.free(req.request_id)
         req.num_computed_tokens = 0
-        req.status = RequestStatus.WAITING
         req.num_preemptions += 1
         self.stats.num_preemptions += 1
-        self.waiting.appendleft(req)
+
+    def _preempt(self, req: Request, scheduler_output: SchedulerOutput) -> None:
+        """A running request gives its blocks back and waits again: first, but behind the
+        requests back from a load (they hold blocks, and finishing them frees those; behind
+        one that cannot be admitted they would hold them for ever)."""
+        self._give_back(req)
+        req.status = RequestStatus.WAITING
+        holds = self.kv_cache_manager.holds_blocks
+        ahead = next((i for i, w in enumerate(self.waiting) if not holds(w.request_id)), None)
+        self.waiting.insert(len(self.waiting) if ahead is None else ahead, req)
         scheduler_output.preempted_req_ids.add(req.request_id)
         if req.request_id in scheduler_output.num_scheduled_tokens:  # scheduled earlier
             del scheduler_output.num_scheduled_tokens[req.request_id]

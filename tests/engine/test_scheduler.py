@@ -64,11 +64,13 @@ def step(s: Scheduler, kv: KVConnectorOutput | None = None) -> SchedulerOutput:
     return out
 
 
-def drain(s: Scheduler, limit: int = 100) -> None:
+def drain(s: Scheduler, limit: int = 100) -> list[SchedulerOutput]:
+    """Steps until every request finished (AssertionError past `limit`); their outputs."""
+    outs = []
     for _ in range(limit):
         if not s.has_unfinished_requests:
-            return
-        step(s)
+            return outs
+        outs.append(step(s))
     raise AssertionError("requests did not finish")
 
 
@@ -318,10 +320,7 @@ def test_a_request_back_from_a_load_goes_first_when_blocks_are_short() -> None:
     assert b.status is RequestStatus.WAITING_FOR_REMOTE_KVS and s.pool.num_free_blocks == 0
     outs.append(step(s))  # b back in waiting, holding its blocks; a needs a 3rd: preempted
     assert outs[-1].preempted_req_ids == {"a"} and not s.running
-    for _ in range(20):
-        if not s.has_unfinished_requests:
-            break
-        outs.append(step(s))
+    outs += drain(s, limit=20)
     assert [o.stuck_req_id for o in outs] == [None] * len(outs)
     assert a.status is RequestStatus.FINISHED_LENGTH and b.status is RequestStatus.FINISHED_LENGTH
     assert a.output_token_ids == [TOKEN] * 4 and b.output_token_ids == [TOKEN] * 2
@@ -342,10 +341,7 @@ def test_loads_that_fill_the_pool_do_not_wait_for_each_other_for_ever() -> None:
     outs = [step(s, KVConnectorOutput(finished_recving={"a", "b"}))]
     assert s.pool.num_free_blocks == 0
     conn.matched.clear()  # asked again, it has nothing beyond the prefix cache's hit
-    for _ in range(20):
-        if not s.has_unfinished_requests:
-            break
-        outs.append(step(s))
+    outs += drain(s, limit=20)
     assert [o.stuck_req_id for o in outs] == [None] * len(outs)
     assert a.status is RequestStatus.FINISHED_LENGTH and b.status is RequestStatus.FINISHED_LENGTH
     assert a.output_token_ids == b.output_token_ids == [TOKEN] * 2
