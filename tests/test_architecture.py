@@ -229,12 +229,13 @@ def _functions() -> list[tuple[str, ast.FunctionDef | ast.AsyncFunctionDef]]:
 def test_functions_stay_short_and_take_few_positional_parameters() -> None:
     """At most 2 functions over 60 lines (docstring included); none with more than 8
     positional parameters (options past those are keyword-only, as vLLM's `LLM(...)`)."""
-    lengths = {name: f.end_lineno - f.lineno + 1 for name, f in _functions() if f.end_lineno}
+    functions = _functions()
+    lengths = {name: f.end_lineno - f.lineno + 1 for name, f in functions if f.end_lineno}
     long = sorted(name for name, n in lengths.items() if n > 60)
     assert len(long) <= 2, f"functions over 60 lines: {long}"
     wide = [
         name
-        for name, f in _functions()
+        for name, f in functions
         if len([a for a in f.args.posonlyargs + f.args.args if a.arg not in ("self", "cls")]) > 8
     ]
     assert wide == [], "functions with more than 8 positional parameters"

@@ -93,6 +93,9 @@ class Inputs:
     """Per instance, what its prompt token takes against a typical instance's (1 absent)."""
 
 
+_EMPTY = PrefixScore()
+
+
 def choose(
     candidates: Sequence[str], inputs: Inputs, costs_out: dict[str, float] | None = None
 ) -> Decision:
@@ -126,7 +129,9 @@ def choose(
             best, decision = key, Decision(name, cost, score, None, x.num_tokens - score.num_tokens)
         if costs_out is not None:
             costs_out[name] = cost
-        for source, held, cost in _pulls(x, name, score, on_load, scale):
+        if x.pull_tokens is None:  # no sources: nothing to pull (no generator per candidate)
+            continue
+        for source, held, cost in _pulls(x, x.pull_tokens, name, score, on_load, scale):
             key = (round(cost, 9), 1, *tie)
             if key < best:
                 best, decision = key, Decision(name, cost, score, source, x.num_tokens - held)
@@ -136,23 +141,18 @@ def choose(
     return decision
 
 
-_EMPTY = PrefixScore()
-
-
 def _pulls(
-    x: Inputs, name: str, score: PrefixScore, on_load: float, scale: float
+    x: Inputs, pull_tokens: PullTokens, name: str, score: PrefixScore, on_load: float, scale: float
 ) -> Iterator[tuple[str, int, float]]:
     """(source, its held tokens, cost) of each pull `name` could make: from every source
     holding more of the prefix than `name` does, pull(i, j) (the module's formula): the
     prompt past j's prefix computed, i's own hit as usual, the difference pulled."""
-    if x.pull_tokens is None:
-        return
     own = score.num_tokens
     for source in x.sources:
         held = (x.scores.get(source) or _EMPTY).num_tokens
         if source == name or held <= own:
             continue
-        pulled = x.pull_tokens(source, name, held - own)
+        pulled = pull_tokens(source, name, held - own)
         cost = ((x.num_tokens - held) + (own - score.weighted_tokens) + pulled + on_load) * scale
         yield source, held, cost
 
