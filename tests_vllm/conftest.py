@@ -144,6 +144,18 @@ class VllmServer:
     def log(self) -> Path:
         return self.workdir / "vllm.log"
 
+    def warnings(self) -> list[str]:
+        """kvconnect's WARNING and ERROR lines in the server's log so far (for a failure's
+        message: CI shows the assertion, not the log)."""
+        if not self.log.exists():
+            return []
+        lines = self.log.read_text(errors="replace").splitlines()
+        return [
+            line
+            for line in lines
+            if ("WARNING" in line or "ERROR" in line) and ("offload" in line or "kvconnect" in line)
+        ]
+
     def start(self) -> None:
         events = {
             "enable_kv_cache_events": True,

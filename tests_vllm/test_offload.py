@@ -281,13 +281,19 @@ def test_the_disk_tier_serves_after_a_restart(
 
 
 def test_a_second_server_loads_from_the_shared_redis_inside_a_multiconnector(
-    servers: tuple[VllmServer, VllmServer], plain: VllmServer, b_events: Events
+    servers: tuple[VllmServer, VllmServer],
+    plain: VllmServer,
+    a_events: Events,
+    b_events: Events,
 ) -> None:
-    _, b = servers
-    p = prompt(2)  # stored (and written to redis) by a only
+    a, b = servers
+    p = prompt(2)  # stored (and written to redis) by a only, before a's restart
+    written = set(chunk_hashes(a_events.stored("STORAGE/REMOTE")))
+    a_cpu = chunk_hashes(a_events.stored("CPU"))
+    assert set(a_cpu[24:28]) <= written, f"a announced prompt 2's chunks in redis: {a.warnings()}"
     answer, cached = complete(b, p)
     assert answer == complete(plain, p)[0]
-    assert cached == 4 * CHUNK
+    assert cached == 4 * CHUNK, f"b loaded {cached} tokens from redis: {b.warnings()}"
     # Both children's events arrive in b's stream: the cpu child stored what was loaded,
     # the redis child wrote it through again.
     wait_until(lambda: len(b_events.stored("CPU")) >= 4, "b's cpu child announces 4 chunks")
