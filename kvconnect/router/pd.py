@@ -111,10 +111,16 @@ class PrefillStep:
         self.outcomes: Counter[str] = Counter()
 
     async def run(
-        self, path: str, body: Body, scored: Scored, decode: Picked, authorization: str | None
+        self,
+        path: str,
+        body: Body,
+        scored: Scored,
+        decode: Picked,
+        sent_with: tuple[str | None, str],
     ) -> tuple[bytes, str] | None:
         """The body to send D (`decode`), with a prefill's params, and that prefill
-        instance; None when D computes the prompt itself (and gets the client's body)."""
+        instance; None when D computes the prompt itself (and gets the client's body).
+        `sent_with`: the request's authorization and trace header lines, sent to P as to D."""
         router = self.router
         tail = len(scored.token_ids) - decode.score.num_tokens
         if tail < 1:
@@ -129,7 +135,7 @@ class PrefillStep:
             self.outcomes["local"] += 1
             return None
         router.record(prefill.name, score)
-        params = await self._prefill(prefill, path, body.for_prefill(), authorization)
+        params = await self._prefill(prefill, path, body.for_prefill(), sent_with)
         if params is None:
             self.outcomes["prefill_failed"] += 1
             return None
@@ -137,12 +143,15 @@ class PrefillStep:
         return body.with_params(params), prefill.name
 
     async def _prefill(
-        self, prefill: Instance, path: str, raw: bytes, authorization: str | None
+        self, prefill: Instance, path: str, raw: bytes, sent_with: tuple[str | None, str]
     ) -> dict[str, Any] | None:
         router, name = self.router, prefill.name
+        authorization, trace_headers = sent_with
         router.loads.sent(name, 0)  # in flight; prefill picks weigh no pending tokens
         try:
-            upstream = await self.pool.post(prefill.url, path, raw, authorization=authorization)
+            upstream = await self.pool.post(
+                prefill.url, path, raw, authorization=authorization, extra_headers=trace_headers
+            )
             try:
                 if upstream.status != 200:
                     logger.warning(

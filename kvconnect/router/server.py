@@ -322,10 +322,14 @@ class RouterServer:
         load: tuple[int, int],
         costs: dict[str, float] | None,
     ) -> Relay:
-        """What `picked` gets: with P's params (P/D), or a pull's source, or as it came."""
+        """What `picked` gets: with P's params (P/D), or a pull's source, or as it came. P
+        and D get the same trace context (the router's span, or the client's traceparent)."""
+        headers = passthrough(r.http.headers) if r.trace is None else r.trace.headers()
         if r.prefill_pending:
             r.prefill_pending = False
-            r.with_params = await self.pd.run(r.http.path, r.body, scored, picked, r.authorization)
+            r.with_params = await self.pd.run(
+                r.http.path, r.body, scored, picked, (r.authorization, headers)
+            )
         body, pulls_from = r.with_params or (None, None)
         if body is None and picked.source is not None and not r.own_params:
             body = r.body.with_source(picked.source)  # a trusted client's own params win
@@ -335,7 +339,6 @@ class RouterServer:
         check = None if pulls_from else stale_check(r.req, r.token_ids)
         if r.trace is not None and costs is not None:
             r.trace.decided(picked, len(r.token_ids), costs, pulls_from)
-        headers = passthrough(r.http.headers) if r.trace is None else r.trace.headers()
         streamed_usage = r.req.stream and r.req.include_usage
         return Relay(
             picked.instance,

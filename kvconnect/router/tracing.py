@@ -12,7 +12,8 @@ created: a request only has its client's `traceparent` passed on to the instance
                                     `choice.costs` shows), the instance, the pull source, the
                                     prompt tokens cached there
     trace.headers()                 `traceparent` (and `tracestate`) of the span, sent to the
-                                    instance (forward.py), so its own spans join the trace
+                                    instance (forward.py), and under P/D to the prefill
+                                    instance (pd.py), so their own spans join the trace
     trace.unreachable(name, error)  an instance refused the request; the next decision follows
     passthrough(headers)            tracing off: the client's traceparent (checked) as is
 

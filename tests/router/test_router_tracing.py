@@ -7,9 +7,10 @@ request to it unchanged, so the test sees what the instance receives.
 A request with a client's `traceparent` gives one span of that trace, child of the client's
 span, with the decision on it (each candidate's cost as /kv/score shows them, the instance,
 the prompt tokens cached there); the instance gets a `traceparent` of the same trace whose
-parent is that span. Without the flag nothing is traced, OpenTelemetry need not be
-installed, and the client's `traceparent` reaches the instance unchanged (a malformed one
-does not); asking for traces without the packages is one error line naming the package.
+parent is that span (under P/D, the prefill instance gets one too). Without the flag nothing
+is traced, OpenTelemetry need not be installed, and the client's `traceparent` reaches the
+instance unchanged (a malformed one does not); asking for traces without the packages is one
+error line naming the package.
 """
 
 from __future__ import annotations
@@ -332,3 +333,65 @@ def test_a_decision_that_pulls_names_its_source() -> None:
         "kvconnect.router.candidate_costs": (40.0, 12.5),
         "kvconnect.router.pull_source": "http://a:1",
     }
+
+
+def test_a_pd_request_sends_the_same_trace_context_to_prefill_and_decode(
+    tmp_path: Path,
+) -> None:
+    """P/D (router/pd.py): the prefill request and the decode request each carry a
+    `traceparent` of the client's trace whose parent is the router's one span, which names
+    the prefill instance as the pull source."""
+    from tests.router.test_router_pd import config, prompt
+
+    p_port = free_port()
+    details = "--enable-prompt-tokens-details"
+    p = Serve(tmp_path, "--kv-transfer-config", config(p_port), details)
+    d = Serve(tmp_path, "--kv-transfer-config", config(free_port(), (p_port,)), details)
+    recorders: list[Recorder] = []
+    receiver = Receiver()
+    router = None
+    try:
+        for s in (p, d):
+            s.start()
+            recorders.append(Recorder(s))
+        p_rec, d_rec = recorders
+        env = {
+            "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf",
+            "OTEL_BSP_SCHEDULE_DELAY": "50",
+        }
+        router = start_router(
+            tmp_path,
+            [d_rec],
+            "--prefill-instance",
+            p_rec.instance,
+            "--pd-min-tail",
+            "64",
+            "--otlp-traces-endpoint",
+            receiver.endpoint,
+            env=env,
+        )
+        status, body, _ = request(
+            router.url + "/v1/completions",
+            {"prompt": prompt(1), "max_tokens": 2, "temperature": 0},
+            {"traceparent": TRACEPARENT},
+        )
+        assert status == 200, body
+        assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 128  # D pulled P's
+        span = receiver.next_span()
+        assert span.trace_id.hex() == TRACE_ID and span.parent_span_id.hex() == CLIENT_SPAN
+        got = attributes(span)
+        assert got["kvconnect.router.instance"] == d_rec.url
+        assert got["kvconnect.router.pull_source"] == p_rec.url
+        for rec in (p_rec, d_rec):
+            sent = rec.posted.get(timeout=10)["traceparent"]
+            assert parent_of(sent) == (TRACE_ID, span.span_id.hex())
+        nothing_else_posted(recorders)
+    finally:
+        if router is not None:
+            assert router.stop() == 0, router.logs()
+        receiver.shutdown()
+        for r in recorders:
+            r.shutdown()
+        for s in (p, d):
+            if s.proc is not None:
+                assert s.stop() == 0, s.logs()
