@@ -9,8 +9,9 @@ unchecked).
         host and rank 0's peer port, `peer.sources`), compute the rest
     P/D in NixlConnector's handshake (vLLM's toy proxy, llm-d's sidecar, kvconnect's router):
         to P   TO_PREFILL: {"do_remote_decode": true, "do_remote_prefill": false, ...null}
-        P's answer, passed to D unchanged: {"do_remote_prefill": true, "remote_host": ...,
-               "remote_port": ..., "remote_request_id": the lease, "remote_chunk_hashes": [...]}
+        P's answer, passed to D unchanged, `to_decode(...)`: {"do_remote_prefill": true,
+               "remote_host": ..., "remote_port": ..., "remote_request_id": the lease,
+               "remote_chunk_hashes": [...], ...}
 
     parse(params, strict)  -> KVTransferParams (ValueError naming the key); `strict` refuses
                               keys kvconnect does not know (serve's boundary), else they are
@@ -50,6 +51,35 @@ TO_PREFILL: dict[str, Any] = {
     "remote_port": None,
 }
 """What a P/D proxy sends the prefill instance (NixlConnector's handshake, step 1)."""
+
+
+def to_decode(
+    peer: tuple[str, int],
+    lease: str,
+    engine_id: str,
+    tp_size: int,
+    num_tokens: int,
+    expires_at: float,
+    chunk_hashes: list[str],
+) -> dict[str, Any]:
+    """What a prefill instance answers for the decode instance (step 2): pull the leased
+    chunks (`chunk_hashes`, `num_tokens` of the prompt) from its peer tier at `peer` until
+    `expires_at`, then release `lease`. Every key NixlConnector's answer has, so a proxy
+    passes it on unchanged."""
+    host, port = peer
+    return {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_engine_id": engine_id,
+        "remote_request_id": lease,
+        "remote_host": host,
+        "remote_port": port,
+        "remote_block_ids": None,
+        "tp_size": tp_size,
+        "remote_num_tokens": num_tokens,
+        "remote_blocks_expiry_time": expires_at,
+        "remote_chunk_hashes": chunk_hashes,
+    }
 
 
 class RemoteKVSource(msgspec.Struct, forbid_unknown_fields=True, frozen=True):

@@ -73,7 +73,7 @@ from kvconnect.events import (
     tier_of,
 )
 from kvconnect.hashing import request_extra_keys, to_event, to_wire
-from kvconnect.transfer_params import LEASE_OWNER, Named
+from kvconnect.transfer_params import LEASE_OWNER, Named, to_decode
 
 logger = logging.getLogger(__name__)
 
@@ -575,19 +575,15 @@ class OffloadScheduler:
         owner = params.get(LEASE_OWNER)
         owner = owner if isinstance(owner, str) else None
         self._leases.append(LeaseSpec(request.request_id, last, expires_at, owner))
-        return {
-            "do_remote_prefill": True,
-            "do_remote_decode": False,
-            "remote_engine_id": self.engine_id,
-            "remote_request_id": request.request_id,
-            "remote_host": peer.reachable_host,
-            "remote_port": peer.port,
-            "remote_block_ids": None,
-            "tp_size": self.context.world_size,
-            "remote_num_tokens": tracked.next_chunk * self.config.chunk_size,
-            "remote_blocks_expiry_time": expires_at,
-            "remote_chunk_hashes": [h.hex() for h in last],
-        }
+        return to_decode(
+            (peer.reachable_host, peer.port),
+            request.request_id,
+            self.engine_id,
+            self.context.world_size,
+            tracked.next_chunk * self.config.chunk_size,
+            expires_at,
+            [h.hex() for h in last],
+        )
 
     def reset_cache(self) -> bool:
         """The local tiers are emptied by the workers at the next step: from now on nothing
