@@ -38,7 +38,6 @@ a publisher has no such thing, so callers never ask which kind they hold.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import threading
@@ -433,9 +432,13 @@ class ZmqEventPublisher(EventPublisher):
             return
         if time.monotonic() - self._last_publish < HEARTBEAT_INTERVAL_S:
             return
-        with contextlib.suppress(RuntimeError):  # shut down meanwhile
+        # Counted first: publish() may send it at once, and a subscriber may read the count
+        # as soon as it has the heartbeat.
+        self.num_heartbeats += 1
+        try:
             self.publish(KVEventBatch(time.time(), [], self._data_parallel_rank))
-            self.num_heartbeats += 1
+        except RuntimeError:  # shut down meanwhile: none was sent
+            self.num_heartbeats -= 1
 
     def _read_subscriptions(self, pub: zmq.Socket[bytes]) -> None:
         """Count the subscribe (b"\x01topic") and unsubscribe (b"\x00topic") messages."""
