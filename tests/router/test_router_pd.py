@@ -13,7 +13,6 @@ kv_transfer_params, D gets the client's request with them, pulls P's chunks and 
 from __future__ import annotations
 
 import json
-import random
 import re
 import threading
 import urllib.request
@@ -25,27 +24,10 @@ from typing import Any
 import pytest
 
 from tests.helpers import free_port
+from tests.peer_fakes import peer_config, prompt
 from tests.serving import RouterProcess, Serve, get, post
 
 pytestmark = pytest.mark.slow
-
-
-def config(peer_port: int, sources: tuple[int, ...] = ()) -> str:
-    return json.dumps(
-        {
-            "kv_connector": "OffloadConnector",
-            "kv_role": "kv_both",
-            "kv_connector_extra_config": {
-                "chunk_size": 32,
-                "tiers": [{"kind": "cpu", "max_bytes": 1 << 26}],
-                "peer": {
-                    "port": peer_port,
-                    "timeout_s": 2.0,
-                    "sources": [f"127.0.0.1:{p}" for p in sources],
-                },
-            },
-        }
-    )
 
 
 @pytest.fixture(scope="module")
@@ -53,8 +35,10 @@ def pd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Serve, Serve,
     tmp = tmp_path_factory.mktemp("pd")
     details = "--enable-prompt-tokens-details"
     p_port = free_port()
-    p = Serve(tmp, "--kv-transfer-config", config(p_port), details)
-    d = Serve(tmp, "--kv-transfer-config", config(free_port(), (p_port,)), details)
+    p = Serve(tmp, "--kv-transfer-config", peer_config(p_port, timeout_s=2.0), details)
+    d = Serve(
+        tmp, "--kv-transfer-config", peer_config(free_port(), (p_port,), timeout_s=2.0), details
+    )
     p.start()
     d.start()
     router = RouterProcess(tmp, [d], "--prefill-instance", p.instance, "--pd-min-tail", "64")
@@ -66,11 +50,6 @@ def pd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Serve, Serve,
         for s in (p, d):
             if s.proc is not None:
                 assert s.stop() == 0, s.logs()
-
-
-def prompt(seed: int, n: int = 150) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(256) for _ in range(n)]
 
 
 def complete(url: str, tokens: list[int], **extra: Any) -> tuple[str, int, str]:

@@ -41,6 +41,7 @@ from kvconnect.router.index import PrefixScore
 from kvconnect.router.instances import Instance
 from kvconnect.router.tracing import RouterTracing, RouteTrace
 from tests.helpers import free_port, wait_for
+from tests.peer_fakes import peer_config, prompt
 from tests.serving import RouterProcess, Serve, post, request
 
 pytestmark = pytest.mark.slow
@@ -341,12 +342,15 @@ def test_a_pd_request_sends_the_same_trace_context_to_prefill_and_decode(
     """P/D (router/pd.py): the prefill request and the decode request each carry a
     `traceparent` of the client's trace whose parent is the router's one span, which names
     the prefill instance as the pull source."""
-    from tests.router.test_router_pd import config, prompt
-
     p_port = free_port()
     details = "--enable-prompt-tokens-details"
-    p = Serve(tmp_path, "--kv-transfer-config", config(p_port), details)
-    d = Serve(tmp_path, "--kv-transfer-config", config(free_port(), (p_port,)), details)
+    p = Serve(tmp_path, "--kv-transfer-config", peer_config(p_port, timeout_s=2.0), details)
+    d = Serve(
+        tmp_path,
+        "--kv-transfer-config",
+        peer_config(free_port(), (p_port,), timeout_s=2.0),
+        details,
+    )
     recorders: list[Recorder] = []
     receiver = Receiver()
     router = None
