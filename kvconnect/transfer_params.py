@@ -54,6 +54,7 @@ TO_PREFILL: dict[str, Any] = {
 
 
 def to_decode(
+    *,
     peer: tuple[str, int],
     lease: str,
     engine_id: str,

@@ -116,11 +116,12 @@ class PrefillStep:
         body: Body,
         scored: Scored,
         decode: Picked,
-        sent_with: tuple[str | None, str],
+        authorization: str | None,
+        trace_headers: str,
     ) -> tuple[bytes, str] | None:
         """The body to send D (`decode`), with a prefill's params, and that prefill
-        instance; None when D computes the prompt itself (and gets the client's body).
-        `sent_with`: the request's authorization and trace header lines, sent to P as to D."""
+        instance; None when D computes the prompt itself (and gets the client's body). P
+        gets the request's `authorization` and `trace_headers` as D does."""
         router = self.router
         tail = len(scored.token_ids) - decode.score.num_tokens
         if tail < 1:
@@ -135,7 +136,8 @@ class PrefillStep:
             self.outcomes["local"] += 1
             return None
         router.record(prefill.name, score)
-        params = await self._prefill(prefill, path, body.for_prefill(), sent_with)
+        raw = body.for_prefill()
+        params = await self._prefill(prefill, path, raw, authorization, trace_headers)
         if params is None:
             self.outcomes["prefill_failed"] += 1
             return None
@@ -143,10 +145,14 @@ class PrefillStep:
         return body.with_params(params), prefill.name
 
     async def _prefill(
-        self, prefill: Instance, path: str, raw: bytes, sent_with: tuple[str | None, str]
+        self,
+        prefill: Instance,
+        path: str,
+        raw: bytes,
+        authorization: str | None,
+        trace_headers: str,
     ) -> dict[str, Any] | None:
         router, name = self.router, prefill.name
-        authorization, trace_headers = sent_with
         router.loads.sent(name, 0)  # in flight; prefill picks weigh no pending tokens
         try:
             upstream = await self.pool.post(

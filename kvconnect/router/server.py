@@ -328,7 +328,7 @@ class RouterServer:
         if r.prefill_pending:
             r.prefill_pending = False
             r.with_params = await self.pd.run(
-                r.http.path, r.body, scored, picked, (r.authorization, headers)
+                r.http.path, r.body, scored, picked, r.authorization, headers
             )
         body, pulls_from = r.with_params or (None, None)
         if body is None and picked.source is not None and not r.own_params:

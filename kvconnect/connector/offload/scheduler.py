@@ -576,13 +576,13 @@ class OffloadScheduler:
         owner = owner if isinstance(owner, str) else None
         self._leases.append(LeaseSpec(request.request_id, last, expires_at, owner))
         return to_decode(
-            (peer.reachable_host, peer.port),
-            request.request_id,
-            self.engine_id,
-            self.context.world_size,
-            tracked.next_chunk * self.config.chunk_size,
-            expires_at,
-            [h.hex() for h in last],
+            peer=(peer.reachable_host, peer.port),
+            lease=request.request_id,
+            engine_id=self.engine_id,
+            tp_size=self.context.world_size,
+            num_tokens=tracked.next_chunk * self.config.chunk_size,
+            expires_at=expires_at,
+            chunk_hashes=[h.hex() for h in last],
         )
 
     def reset_cache(self) -> bool:
