@@ -15,8 +15,6 @@ config, behind two routers: one as deployed (the default) and one with
 
 from __future__ import annotations
 
-import json
-import random
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,23 +24,10 @@ import pytest
 
 from kvconnect.transfer_params import TO_PREFILL
 from tests.helpers import free_port, wait_for
+from tests.peer_fakes import peer_config, prompt
 from tests.serving import RouterProcess, Serve, get, post
 
 pytestmark = pytest.mark.slow
-
-
-def config(peer_port: int) -> str:
-    return json.dumps(
-        {
-            "kv_connector": "OffloadConnector",
-            "kv_role": "kv_both",
-            "kv_connector_extra_config": {
-                "chunk_size": 32,
-                "tiers": [{"kind": "cpu", "max_bytes": 1 << 26}],
-                "peer": {"port": peer_port, "timeout_s": 1.0},
-            },
-        }
-    )
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +36,7 @@ def setup(
 ) -> Iterator[tuple[Serve, RouterProcess, RouterProcess]]:
     tmp: Path = tmp_path_factory.mktemp("kv-params")
     server = Serve(
-        tmp, "--kv-transfer-config", config(free_port()), "--enable-prompt-tokens-details"
+        tmp, "--kv-transfer-config", peer_config(free_port()), "--enable-prompt-tokens-details"
     )
     server.start()
     plain = RouterProcess(tmp, [server])
@@ -64,11 +49,6 @@ def setup(
         plain.stop()
         trusting.stop()
         assert server.stop() == 0, server.logs()
-
-
-def prompt(seed: int, n: int = 150) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(256) for _ in range(n)]
 
 
 def complete(url: str, tokens: list[int], **extra: Any) -> dict[str, Any]:

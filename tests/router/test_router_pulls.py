@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-import random
 import re
 import threading
 from collections.abc import Iterator
@@ -21,15 +20,10 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import free_port, wait_for
-from tests.router.test_router_pd import config
+from tests.peer_fakes import peer_config, prompt
 from tests.serving import RouterProcess, Serve, get, post, serving
 
 pytestmark = pytest.mark.slow
-
-
-def prompt(seed: int, n: int = 150) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(256) for _ in range(n)]
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +33,7 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, list[
     ports = (free_port(), free_port())  # each may pull from the other
     for port in ports:
         details = "--enable-prompt-tokens-details"
-        spec = config(port, tuple(p for p in ports if p != port))
+        spec = peer_config(port, [p for p in ports if p != port], timeout_s=2.0)
         servers.append(Serve(tmp, "--kv-transfer-config", spec, details, peer_port=port))
     with serving(servers):
         yield tmp, servers
